@@ -1,0 +1,49 @@
+"""Federated methods, one module each, registered by name.
+
+``resolve_method(name, method_params)`` returns the algorithm class and its validated config.
+A method name is either a registered algorithm (``fedavg``) or a variant declared in
+``method_params`` with an ``algorithm`` key, e.g.::
+
+    method_params:
+      fedkper_noclip: {algorithm: fedkper, clip_grad_norm: null}
+"""
+
+from __future__ import annotations
+
+from pydantic import ValidationError
+
+from medpfl.algorithms.base import Algorithm, MethodConfig
+from medpfl.algorithms.fedavg import FedAvg
+from medpfl.algorithms.fedkper import FedKPer
+from medpfl.algorithms.fedprox import FedProx
+from medpfl.algorithms.local import Local
+
+REGISTRY: dict[str, type[Algorithm]] = {cls.name: cls for cls in (FedAvg, FedProx, FedKPer, Local)}
+
+
+def resolve_method(name: str, method_params: dict | None = None) -> tuple[type[Algorithm], MethodConfig]:
+    """``(algorithm class, validated config)`` for a method name.
+
+    Raises ``medpfl.config.ParamsError`` naming ``methods`` or ``method_params.<name>.<key>``.
+    """
+    from medpfl.config import ParamsError
+
+    overrides = dict((method_params or {}).get(name) or {})
+    algo_name = overrides.pop("algorithm", name)
+    if algo_name not in REGISTRY:
+        where = f"method_params.{name}.algorithm" if algo_name != name else "methods"
+        raise ParamsError(f"{where}: unknown method {algo_name!r}; known: {', '.join(sorted(REGISTRY))}")
+    cls = REGISTRY[algo_name]
+    try:
+        cfg = cls.Config.model_validate(overrides)
+    except ValidationError as e:
+        msgs = []
+        for err in e.errors():
+            loc = ".".join(str(p) for p in err["loc"])
+            msg = "unknown key for this method" if err["type"] == "extra_forbidden" else err["msg"]
+            msgs.append(f"method_params.{name}.{loc}: {msg}")
+        raise ParamsError("; ".join(msgs)) from None
+    return cls, cfg
+
+
+__all__ = ["Algorithm", "MethodConfig", "REGISTRY", "resolve_method"]

@@ -1,0 +1,218 @@
+"""``medpfl``: one command, one sub-command per pipeline stage.
+
+Snakemake rules call these with explicit paths and a JSON job description (``--job``), so a
+rule's ``params:`` hold exactly what the stage uses. Known errors (bad params, bad data,
+impossible partitions, unreachable tracking) print one clear message and exit with status 2;
+anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+log = logging.getLogger("medpfl")
+
+
+def _job(text: str) -> dict:
+    if text.startswith("@"):
+        return json.loads(Path(text[1:]).read_text())
+    return json.loads(text)
+
+
+# ----- stages --------------------------------------------------------------------------------
+def cmd_download(a) -> None:
+    from medpfl.data.sources import fetch
+
+    job = _job(a.job) if a.job else {"dataset": a.dataset, "custom": {}}
+    where = fetch(job["dataset"], a.out, custom=job.get("custom") or None)
+    print(f"{job['dataset']}: {a.out} from {where} (MD5 verified)")
+
+
+def cmd_preprocess(a) -> None:
+    from medpfl.data.preprocess import preprocess
+    from medpfl.data.sources import dataset_spec
+
+    job = _job(a.job) if a.job else {"dataset": a.dataset, "custom": {}}
+    spec = dataset_spec(job["dataset"], job.get("custom") or None)
+    samples = preprocess(a.raw, a.out, a.samples, spec.num_classes, spec.n_channels)
+    counts = samples.groupby("split").size().to_dict()
+    print(f"{job['dataset']}: {len(samples)} images {counts} -> {a.out}")
+
+
+def cmd_partition(a) -> None:
+    from medpfl.config import PartitionConfig
+    from medpfl.data.partition import build_partition, client_class_counts
+    from medpfl.data.preprocess import load_processed
+    from medpfl.io import write_json, write_parquet
+    from medpfl.report.partition_figure import partition_heatmap
+
+    job = _job(a.job)
+    cfg = PartitionConfig.model_validate(job["config"])
+    data = load_processed(a.arrays, a.samples)
+    pool = data.samples[data.samples["split"] == "train"]
+    table = build_partition(pool["sample_id"].to_numpy(), pool["label"].to_numpy(), cfg, job["name"])
+    out = Path(a.out_dir)
+    write_parquet(out / "partition.parquet", table)
+    counts = client_class_counts(table, data.num_classes)
+    write_json(out / "client_stats.json", {"dataset": job["dataset"], "partition": job["name"], "config": job["config"],
+                                           "num_classes": data.num_classes, "clients": counts})
+    partition_heatmap(counts, data.num_classes, out / "heatmap.png",
+                      title=f"{job['dataset']} / {job['name']}: samples per class and client")
+    sizes = table.groupby("client_id").size()
+    print(f"{job['dataset']}/{job['name']}: {len(sizes)} clients, sizes {sizes.min()}..{sizes.max()}")
+
+
+def cmd_mlflow_init(a) -> None:
+    from medpfl.tracking import init_study
+
+    params = _job(a.job) if a.job else {}
+    rec = init_study(a.study, a.experiment, Path(a.out), params=params)
+    print(f"MLflow: experiment {a.experiment} ({rec['experiment_id']}), parent run {rec['parent_run_id']} "
+          f"in {rec['tracking_uri']}")
+
+
+def cmd_train(a) -> None:
+    from medpfl.train import run_training
+
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)
+    run_training(_job(a.job), Path(a.arrays), Path(a.samples), Path(a.partition_table), Path(a.out_dir),
+                 parent_file=Path(a.parent) if a.parent else None)
+
+
+def cmd_evaluate(a) -> None:
+    from medpfl.evaluate import evaluate_run
+
+    s = evaluate_run(Path(a.run_dir))
+    shown = {k: s[k] for k in ("avg_global_acc", "avg_local_acc", "avg_worst_client_acc", "balance") if k in s}
+    print(f"{a.run_dir}: {shown}")
+
+
+def cmd_report(a) -> None:
+    from medpfl.report import build_report
+
+    paths = build_report([Path(p) for p in a.runs], Path(a.out_dir), [Path(p) for p in a.partition_figures],
+                         title=a.title or "")
+    print(f"report: {', '.join(str(p) for p in paths.values())}")
+
+
+def cmd_check_params(a) -> None:
+    from medpfl.config import load_params
+
+    p = load_params(a.params, a.overlay)
+    print(f"{a.params}: ok (study {p.study}: {len(p.data.datasets)} data sets x {len(p.partitions)} partitions x "
+          f"{len(p.methods)} methods x {len(p.seeds)} seeds)")
+
+
+def cmd_synthetic(a) -> None:
+    from medpfl.data.synthetic import write_synthetic_npz
+
+    md5 = write_synthetic_npz(Path(a.out), a.num_classes, a.n_channels, a.size, (a.train, a.val, a.test), a.seed)
+    print(json.dumps({"path": str(a.out), "md5": md5, "n_channels": a.n_channels, "num_classes": a.num_classes}))
+
+
+# ----- parser --------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="medpfl", description=__doc__.splitlines()[0])
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("download", help="fetch a data set file (mirror first, then the official URL), MD5-checked")
+    s.add_argument("--dataset")
+    s.add_argument("--job", help="JSON {dataset, custom}")
+    s.add_argument("--out", required=True)
+    s.set_defaults(fn=cmd_download)
+
+    s = sub.add_parser("preprocess", help="official .npz -> compact uint8 NCHW arrays + sample table")
+    s.add_argument("--dataset")
+    s.add_argument("--job")
+    s.add_argument("--raw", required=True)
+    s.add_argument("--out", required=True)
+    s.add_argument("--samples", required=True)
+    s.set_defaults(fn=cmd_preprocess)
+
+    s = sub.add_parser("partition", help="split the train pool over clients; local train/test splits")
+    s.add_argument("--job", required=True, help="JSON {dataset, name, config}")
+    s.add_argument("--arrays", required=True)
+    s.add_argument("--samples", required=True)
+    s.add_argument("--out-dir", required=True)
+    s.set_defaults(fn=cmd_partition)
+
+    s = sub.add_parser("mlflow-init", help="create the MLflow store, experiment and the study's parent run")
+    s.add_argument("--study", required=True)
+    s.add_argument("--experiment", required=True)
+    s.add_argument("--job", help="JSON of the study's params, logged on the parent run")
+    s.add_argument("--out", required=True)
+    s.set_defaults(fn=cmd_mlflow_init)
+
+    s = sub.add_parser("train", help="one federated training job (dataset x partition x method x seed)")
+    s.add_argument("--job", required=True)
+    s.add_argument("--arrays", required=True)
+    s.add_argument("--samples", required=True)
+    s.add_argument("--partition-table", required=True)
+    s.add_argument("--parent", help="parent.json from mlflow-init (omit: no tracking)")
+    s.add_argument("--out-dir", required=True)
+    s.add_argument("--threads", type=int, default=0)
+    s.set_defaults(fn=cmd_train)
+
+    s = sub.add_parser("evaluate", help="metrics of one training run (paper protocol and plain views)")
+    s.add_argument("--run-dir", required=True)
+    s.set_defaults(fn=cmd_evaluate)
+
+    s = sub.add_parser("report", help="tables and figures across methods and seeds")
+    s.add_argument("--runs", nargs="+", required=True)
+    s.add_argument("--partition-figures", nargs="*", default=[])
+    s.add_argument("--out-dir", required=True)
+    s.add_argument("--title")
+    s.set_defaults(fn=cmd_report)
+
+    s = sub.add_parser("check-params", help="validate params.yaml (+ overlays) and exit")
+    s.add_argument("params", nargs="?", default="params.yaml")
+    s.add_argument("--overlay", action="append", default=[])
+    s.set_defaults(fn=cmd_check_params)
+
+    s = sub.add_parser("synthetic", help="write a small synthetic data set in the official MedMNIST .npz layout")
+    s.add_argument("--out", required=True)
+    s.add_argument("--num-classes", type=int, default=4)
+    s.add_argument("--n-channels", type=int, default=3)
+    s.add_argument("--size", type=int, default=28)
+    s.add_argument("--train", type=int, default=400)
+    s.add_argument("--val", type=int, default=40)
+    s.add_argument("--test", type=int, default=120)
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(fn=cmd_synthetic)
+    return p
+
+
+def known_errors() -> tuple[type[BaseException], ...]:
+    from medpfl.config import ParamsError
+    from medpfl.data.partition import PartitionError
+    from medpfl.data.schemas import TableError
+    from medpfl.data.sources import DataError
+    from medpfl.tracking import TrackingError
+
+    return (ParamsError, DataError, PartitionError, TableError, TrackingError, FileNotFoundError, json.JSONDecodeError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("DISABLE_PANDERA_IMPORT_WARNING", "True")
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        args.fn(args)
+    except known_errors() as e:
+        print(f"medpfl {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

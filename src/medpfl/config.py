@@ -1,0 +1,307 @@
+"""The params schema: one pydantic model for ``params.yaml`` and the study overlays in ``config/``.
+
+Every section forbids unknown keys, so a typo such as ``train.particpation`` fails at once with
+the key's dotted name instead of silently keeping a default. Per-method hyper-parameters are
+validated by each algorithm's own ``Config`` model (see :mod:`medpfl.algorithms`).
+
+Errors: :class:`ParamsError` (a ``ValueError``) whose message names the file and the dotted key.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$"
+
+
+class ParamsError(ValueError):
+    """A parameter file or value is invalid; the message names the file and the dotted key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LocalTestConfig(_Strict):
+    """How each client's data is split into local train and local test.
+
+    rule:
+      ``stratified``: per class, ``round(fraction * n_kc)`` samples go to test (at least one
+      test sample per client).
+      ``random``: a uniformly random ``int(fraction * n_k)`` of the client's samples.
+      ``fedkper``: the FedKPer authors' class-balanced rule (``create_local`` in
+      olivesgatech/FedKPer ``datasetter.py``; ``docs/fedkper.md``): ``int(fraction*n_k)/|classes|``
+      per present class, ``int(fraction*n_kc)`` where a class is too small.
+    """
+
+    fraction: float = Field(0.2, gt=0.0, lt=1.0)
+    rule: Literal["stratified", "random", "fedkper"] = "stratified"
+
+
+class PartitionConfig(_Strict):
+    """One named partition of a data set's official train split over ``num_clients`` clients.
+
+    scheme:
+      ``dirichlet``: per class, proportions over clients drawn from Dir(alpha * 1_K)
+      (Hsu et al. 2019; NIID-Bench "hetero-dir"). ``self_balancing`` stops giving samples to
+      a client that already holds >= N/K samples (the FedKPer/MOON variant); the draw is
+      repeated until every client holds at least ``min_samples``.
+      ``iid``: a uniform random split into equal parts.
+      ``pathological``: every client holds ``classes_per_client`` classes (McMahan et al. 2017).
+    """
+
+    scheme: Literal["dirichlet", "iid", "pathological"] = "dirichlet"
+    num_clients: int = Field(20, ge=1)
+    alpha: float | None = Field(0.1, description="Dirichlet concentration; > 0")
+    self_balancing: bool = True
+    min_samples: int = Field(10, ge=1)
+    max_draws: int = Field(1000, ge=1)
+    classes_per_client: int | None = Field(None, ge=1)
+    seed: int = 1
+    local_test: LocalTestConfig = LocalTestConfig()
+
+    @model_validator(mode="after")
+    def _check_scheme(self) -> "PartitionConfig":
+        if self.scheme == "dirichlet":
+            if self.alpha is None or not self.alpha > 0:
+                raise ValueError(f"alpha must be > 0 for the dirichlet scheme, got {self.alpha}")
+        if self.scheme == "pathological" and self.classes_per_client is None:
+            raise ValueError("classes_per_client is required for the pathological scheme")
+        return self
+
+
+class OptimizerConfig(_Strict):
+    """Client SGD (PyTorch semantics: ``d = g + wd*w; b = m*b + d; w -= lr*b``)."""
+
+    name: Literal["sgd"] = "sgd"
+    lr: float = Field(0.01, gt=0.0)
+    momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    weight_decay: float = Field(1e-5, ge=0.0)
+    lr_decay: float = Field(0.99, gt=0.0, le=1.0, description="lr multiplier per round (StepLR(1, gamma))")
+
+
+class SamplingConfig(_Strict):
+    """Which clients take part in each round; pre-sampled once and shared by every method.
+
+    ``round_seeded``: ``RandomState(round).choice(K, m, replace=False)``, as in the FedKPer and
+    FedNTD code: the same schedule for every seed and method.
+    ``stream``: one ``numpy.random.default_rng(seed)`` stream for all rounds (FL-bench style);
+    ``seed`` defaults to the run seed.
+    """
+
+    scheme: Literal["round_seeded", "stream"] = "round_seeded"
+    seed: int | None = None
+
+
+class TrainConfig(_Strict):
+    rounds: int = Field(20, ge=1)
+    participation: float = Field(0.1, gt=0.0, le=1.0, description="fraction of clients per round")
+    local_epochs: int = Field(5, ge=1)
+    batch_size: int = Field(12, ge=1)
+    optimizer: OptimizerConfig = OptimizerConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    model: Literal["cnn4"] = "cnn4"
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
+    executor: Literal["auto", "sequential", "stacked"] = "auto"
+    checkpoint_every: int = Field(10, ge=0, description="rounds between checkpoints; 0 = never")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", v):
+            raise ValueError(f"device must be auto, cpu, cuda, cuda:N or mps, got {v!r}")
+        return v
+
+
+class EvalConfig(_Strict):
+    every: int = Field(1, ge=1, description="evaluate the global/personalized models every N rounds (and the last)")
+    batch_size: int = Field(1024, ge=1)
+
+
+class MlflowConfig(_Strict):
+    experiment: str = "medpfl"
+
+
+class CustomDataset(_Strict):
+    """A file in the official MedMNIST ``.npz`` layout that is not a MedMNIST release."""
+
+    path: str
+    md5: str = Field(pattern=r"^[0-9a-f]{32}$")
+    n_channels: int = Field(ge=1)
+    num_classes: int = Field(ge=2)
+
+
+class DataConfig(_Strict):
+    """Data sets by their official file stem: ``bloodmnist`` (28 px) or ``bloodmnist_64``.
+
+    ``custom`` declares extra files in the official layout (own data, synthetic test data).
+    """
+
+    datasets: list[str] = Field(default_factory=lambda: ["bloodmnist"], min_length=1)
+    custom: dict[str, CustomDataset] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _names(self) -> "DataConfig":
+        from medpfl.data.sources import parse_dataset_name
+
+        for name in self.datasets:
+            if not re.fullmatch(NAME_RE, name):
+                raise ValueError(f"datasets: name {name!r} must match {NAME_RE}")
+            if name not in self.custom:
+                parse_dataset_name(name)  # raises ValueError naming the data set
+        if len(set(self.datasets)) != len(self.datasets):
+            raise ValueError(f"datasets: duplicate entries in {self.datasets}")
+        return self
+
+
+class Params(_Strict):
+    """The whole ``params.yaml``."""
+
+    study: str = Field("default", pattern=NAME_RE)
+    data: DataConfig = DataConfig()
+    partitions: dict[str, PartitionConfig] = Field(default_factory=lambda: {"dir0.1": PartitionConfig()})
+    methods: list[str] = Field(default_factory=lambda: ["fedavg", "local", "fedkper"], min_length=1)
+    method_params: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    seeds: list[int] = Field(default_factory=lambda: [1], min_length=1)
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    mlflow: MlflowConfig = MlflowConfig()
+
+    @field_validator("partitions")
+    @classmethod
+    def _partition_names(cls, v: dict[str, PartitionConfig]) -> dict[str, PartitionConfig]:
+        if not v:
+            raise ValueError("at least one partition is required")
+        for name in v:
+            if not re.fullmatch(NAME_RE, name):
+                raise ValueError(f"partition name {name!r} must match {NAME_RE}")
+        return v
+
+    @field_validator("seeds")
+    @classmethod
+    def _seeds(cls, v: list[int]) -> list[int]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"duplicate seeds in {v}")
+        if any(s < 0 for s in v):
+            raise ValueError(f"seeds must be >= 0, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _methods(self) -> "Params":
+        from medpfl.algorithms import resolve_method
+
+        if len(set(self.methods)) != len(self.methods):
+            raise ValueError(f"methods: duplicate entries in {self.methods}")
+        for name in self.methods:
+            if not re.fullmatch(NAME_RE, name):
+                raise ValueError(f"methods: name {name!r} must match {NAME_RE}")
+            resolve_method(name, self.method_params)  # raises ParamsError naming the key
+        for name in self.method_params:
+            resolve_method(name, self.method_params)
+        return self
+
+    def method_config(self, name: str):
+        """The resolved ``(algorithm class, validated config)`` for a method name."""
+        from medpfl.algorithms import resolve_method
+
+        return resolve_method(name, self.method_params)
+
+
+def _fmt_loc(loc: tuple) -> str:
+    return ".".join(str(p) for p in loc) or "<root>"
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid parameters"]
+    for e in err.errors():
+        loc = _fmt_loc(e["loc"])
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key (check the spelling; see params.yaml for the allowed keys)"
+        lines.append(f"  - {loc}: {msg}")
+    return "\n".join(lines)
+
+
+def deep_merge(base: dict, overlay: dict) -> dict:
+    """Recursively merge ``overlay`` into a copy of ``base`` (Snakemake ``--configfile`` semantics)."""
+    out = dict(base)
+    for k, v in overlay.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def read_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ParamsError(f"{path}: parameter file not found") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ParamsError(f"{path}: not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ParamsError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def validate_params(data: dict, source: str = "params.yaml") -> Params:
+    """Validate a params mapping; raise :class:`ParamsError` naming ``source`` and the key."""
+    try:
+        return Params.model_validate(data)
+    except ValidationError as e:
+        raise ParamsError(format_validation_error(e, source)) from None
+    except ParamsError as e:
+        raise ParamsError(f"{source}: {e}") from None
+
+
+def load_params(path: str | Path = "params.yaml", overlays: list[str | Path] = ()) -> Params:
+    """Read ``params.yaml`` plus study overlays (later files win) and validate them."""
+    data = read_yaml(path)
+    names = [str(path)]
+    for ov in overlays:
+        data = deep_merge(data, read_yaml(ov))
+        names.append(str(ov))
+    return validate_params(data, " + ".join(names))
+
+
+def canonical_json(obj: Any) -> str:
+    """A stable JSON string (sorted keys) used for hashing and command-line transport."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def train_job(params: Params, dataset: str, partition: str, method: str, seed: int) -> dict:
+    """Everything one training job needs, resolved and JSON-ready (Snakemake passes it on the
+    command line, so its params trigger sees exactly these values)."""
+    if partition not in params.partitions:
+        raise ParamsError(f"partitions: no partition named {partition!r}")
+    algo_cls, mcfg = params.method_config(method)
+    return {
+        "study": params.study,
+        "dataset": dataset,
+        "partition": partition,
+        "method": method,
+        "algorithm": algo_cls.name,
+        "method_params": mcfg.model_dump(),
+        "seed": seed,
+        "num_clients": params.partitions[partition].num_clients,
+        "train": params.train.model_dump(),
+        "eval": params.eval.model_dump(),
+    }
+
+
+def dataset_job(params: Params, dataset: str) -> dict:
+    """What download/preprocess need for one data set (custom entries carry path and MD5)."""
+    custom = params.data.custom.get(dataset)
+    return {"dataset": dataset, "custom": {dataset: custom.model_dump()} if custom else {}}

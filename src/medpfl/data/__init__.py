@@ -1,0 +1,1 @@
+"""Data: sources, preprocessing, partitioning, table schemas."""

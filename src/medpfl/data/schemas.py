@@ -1,0 +1,113 @@
+"""pandera schemas for every table that crosses a stage boundary.
+
+``validate(schema, df, path)`` raises :class:`TableError` naming the file and listing the
+failing checks, instead of pandera's multi-page report.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("DISABLE_PANDERA_IMPORT_WARNING", "True")
+
+import pandas as pd  # noqa: E402
+import pandera.pandas as pa  # noqa: E402
+from pandera.typing import Series  # noqa: E402
+
+SPLITS = ["train", "val", "test"]
+LOCAL_SPLITS = ["train", "test"]
+VIEWS = ["global_test", "global_on_local", "local_after_training", "personalized_on_local", "local_on_global_test"]
+
+
+class TableError(ValueError):
+    """A table failed its schema; the message names the file and the failing checks."""
+
+
+class SampleTable(pa.DataFrameModel):
+    """One row per image of a preprocessed data set (``data/processed/<name>.samples.parquet``)."""
+
+    sample_id: Series[int] = pa.Field(ge=0, unique=True)
+    split: Series[str] = pa.Field(isin=SPLITS)
+    index_in_split: Series[int] = pa.Field(ge=0)
+    label: Series[int] = pa.Field(ge=0)
+
+    class Config:
+        strict = True
+        coerce = True
+        unique = ["split", "index_in_split"]
+
+
+class PartitionTable(pa.DataFrameModel):
+    """One row per official-train sample: which client holds it and in which local split."""
+
+    sample_id: Series[int] = pa.Field(ge=0, unique=True)
+    client_id: Series[int] = pa.Field(ge=0)
+    local_split: Series[str] = pa.Field(isin=LOCAL_SPLITS)
+    label: Series[int] = pa.Field(ge=0)
+
+    class Config:
+        strict = True
+        coerce = True
+
+
+class EvalRecords(pa.DataFrameModel):
+    """One row per (round, view, client): a model evaluated on a test set.
+
+    view: ``global_test`` (global model, global test set; client_id -1),
+    ``global_on_local`` (global model, each client's local test split),
+    ``local_after_training`` (a sampled client's model right after local training, its local
+    test split), ``personalized_on_local`` (each client's personalized model, its local test
+    split), ``local_on_global_test`` (a client's own model on the global test set; Local only,
+    final round).
+    """
+
+    round: Series[int] = pa.Field(ge=0)
+    view: Series[str] = pa.Field(isin=VIEWS)
+    client_id: Series[int] = pa.Field(ge=-1)
+    n_samples: Series[int] = pa.Field(ge=1)
+    correct: Series[int] = pa.Field(ge=0)
+    accuracy: Series[float] = pa.Field(ge=0.0, le=1.0)
+    balanced_accuracy: Series[float] = pa.Field(ge=0.0, le=1.0)
+    loss: Series[float] = pa.Field(ge=0.0, nullable=True)
+
+    class Config:
+        strict = True
+        coerce = True
+        unique = ["round", "view", "client_id"]
+
+    @pa.dataframe_check
+    def correct_le_n(cls, df: pd.DataFrame) -> Series[bool]:
+        return df["correct"] <= df["n_samples"]
+
+
+class RoundLog(pa.DataFrameModel):
+    """One row per round: the schedule, communication and timing."""
+
+    round: Series[int] = pa.Field(ge=0, unique=True)
+    lr: Series[float] = pa.Field(gt=0.0)
+    sampled_clients: Series[str]
+    num_sampled: Series[int] = pa.Field(ge=1)
+    bytes_up: Series[int] = pa.Field(ge=0)
+    bytes_down: Series[int] = pa.Field(ge=0)
+    train_seconds: Series[float] = pa.Field(ge=0.0)
+    eval_seconds: Series[float] = pa.Field(ge=0.0)
+    round_seconds: Series[float] = pa.Field(ge=0.0)
+
+    class Config:
+        strict = True
+        coerce = True
+
+
+def validate(schema: type[pa.DataFrameModel], df: pd.DataFrame, path: str = "<table>") -> pd.DataFrame:
+    """Validate ``df`` lazily against ``schema``; raise :class:`TableError` naming ``path``."""
+    try:
+        return schema.validate(df, lazy=True)
+    except pa.errors.SchemaErrors as e:
+        fc = e.failure_cases
+        lines = []
+        for (col, check), grp in fc.groupby(["column", "check"], dropna=False, sort=False):
+            examples = ", ".join(map(str, grp["failure_case"].head(3).tolist()))
+            lines.append(f"  - column {col!s}: {check} (e.g. {examples}; {len(grp)} failing)")
+        raise TableError(f"{path}: table does not match schema {schema.__name__}:\n" + "\n".join(lines)) from None
+    except pa.errors.SchemaError as e:
+        raise TableError(f"{path}: table does not match schema {schema.__name__}: {e}") from None

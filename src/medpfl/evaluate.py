@@ -1,0 +1,93 @@
+"""The evaluate stage: per-round metrics and the run summary of one training run.
+
+Reads ``records.parquet``, ``rounds.parquet`` and ``job.json`` from the run folder; writes
+``round_metrics.csv``, ``client_accuracy.csv``, ``metrics.json`` and ``curves.png`` (atomically)
+and logs them, the per-round backward transfer and the summary metrics to the run's MLflow
+child run. Metric definitions: :mod:`medpfl.metrics`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from medpfl.algorithms import REGISTRY  # noqa: E402
+from medpfl.data.schemas import EvalRecords, RoundLog, validate  # noqa: E402
+from medpfl.io import atomic_path, read_json, read_parquet, write_json, write_text  # noqa: E402
+from medpfl.metrics import summarize_run  # noqa: E402
+
+
+def client_table(records: pd.DataFrame, num_clients: int) -> pd.DataFrame:
+    """Per client: local test size, times sampled, mean accuracy after local training, and
+    the final-round accuracy of the global and personalized models on its local test split."""
+    rows = []
+    la = records[records["view"] == "local_after_training"]
+    for c in range(num_clients):
+        row = {"client_id": c}
+        mine = la[la["client_id"] == c]
+        row["times_sampled"] = int(len(mine))
+        row["local_after_training_acc_mean"] = float(mine["accuracy"].mean()) if len(mine) else None
+        row["local_after_training_bal_acc_mean"] = float(mine["balanced_accuracy"].mean()) if len(mine) else None
+        for view, name in (("global_on_local", "final_global_model_acc"), ("personalized_on_local", "final_personalized_acc")):
+            v = records[(records["view"] == view) & (records["client_id"] == c)]
+            if len(v):
+                last = v[v["round"] == v["round"].max()].iloc[0]
+                row[name] = float(last["accuracy"])
+                row[name.replace("_acc", "_bal_acc")] = float(last["balanced_accuracy"])
+                row["local_test_size"] = int(last["n_samples"])
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def run_curves(per: pd.DataFrame, out: Path, title: str) -> None:
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for col, label in (("global_test_acc", "global model, global test"),
+                       ("global_on_local_mean", "global model, local tests (mean)"),
+                       ("local_bal_acc_mean", "after local training (balanced, sampled)"),
+                       ("personalized_acc_mean", "personalized models (mean)")):
+        s = per[["round", col]].dropna()
+        if len(s):
+            ax.plot(s["round"], s[col], label=label)
+    ax.set_xlabel("round")
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(0, 1)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    with atomic_path(out) as tmp:
+        fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+
+
+def evaluate_run(run_dir: Path) -> dict:
+    """Compute and write the run's metrics; return the summary dict."""
+    job = read_json(run_dir / "job.json")
+    records = validate(EvalRecords, read_parquet(run_dir / "records.parquet"), str(run_dir / "records.parquet"))
+    rounds = validate(RoundLog, read_parquet(run_dir / "rounds.parquet"), str(run_dir / "rounds.parquet"))
+    algo = REGISTRY[job["algorithm"]]
+    per, summary = summarize_run(records, rounds, job["num_clients"], algo.has_global_model, algo.personalized)
+    clients = client_table(records, job["num_clients"])
+    write_text(run_dir / "round_metrics.csv", per.to_csv(index=False))
+    write_text(run_dir / "client_accuracy.csv", clients.to_csv(index=False))
+    run_curves(per, run_dir / "curves.png", f"{job['method']} on {job['dataset']}/{job['partition']}, seed {job['seed']}")
+    run_file = run_dir / "mlflow_run.json"
+    run_id = read_json(run_file)["run_id"] if run_file.exists() else None
+    meta = {k: job[k] for k in ("study", "dataset", "partition", "method", "algorithm", "seed")}
+    write_json(run_dir / "metrics.json", {**meta, "mlflow_run_id": run_id, "summary": summary})
+    if run_id is not None:
+        from medpfl.tracking import RunLogger
+
+        lg = RunLogger.reopen(run_file)
+        lg.log_metrics({k: v for k, v in summary.items() if isinstance(v, (int, float))})
+        for _, row in per.iterrows():
+            lg.log_metrics({c: row[c] for c in ("bwt", "global_on_local_worst", "local_acc_worst") if pd.notna(row[c])},
+                           step=int(row["round"]))
+        for name in ("metrics.json", "round_metrics.csv", "client_accuracy.csv", "curves.png"):
+            lg.log_artifact(run_dir / name, "evaluation")
+        lg.finish("FINISHED")
+    return summary

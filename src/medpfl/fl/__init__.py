@@ -1,0 +1,1 @@
+"""Federated core: engine, executors, schedules, evaluation protocol."""

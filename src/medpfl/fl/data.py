@@ -1,0 +1,69 @@
+"""Client data resident on the training device.
+
+Images stay uint8 ``[N, C, H, W]`` on the device and are normalised on the fly
+(``x / 127.5 - 1``, i.e. ``Normalize(0.5, 0.5)`` after ``ToTensor``, the FedKPer loader's
+transform); clients are index tensors into those arrays. No DataLoader, no per-sample Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import torch
+
+from medpfl.data.preprocess import ProcessedData
+
+
+@dataclass
+class FederatedData:
+    """images uint8 [N, C, H, W], labels int64 [N] on ``device``; per client, int64 index
+    tensors of its local train and local test samples; the global test set's indices; and
+    each client's local train label histogram float [K, C] (client-side information)."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    num_classes: int
+    global_test: torch.Tensor
+    client_train: list[torch.Tensor]
+    client_test: list[torch.Tensor]
+    train_hist: torch.Tensor
+    device: torch.device
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.client_train)
+
+    @property
+    def in_channels(self) -> int:
+        return int(self.images.shape[1])
+
+    @property
+    def image_size(self) -> int:
+        return int(self.images.shape[-1])
+
+    def x(self, idx: torch.Tensor) -> torch.Tensor:
+        """Normalised float32 images for sample indices ``idx`` (int64 [...]) -> [..., C, H, W]."""
+        return self.images[idx].to(torch.float32) / 127.5 - 1.0
+
+    @classmethod
+    def build(cls, data: ProcessedData, partition: pd.DataFrame, device: torch.device) -> "FederatedData":
+        """From preprocessed arrays and a partition table; the global test set is the official test split."""
+        k = int(partition["client_id"].max()) + 1
+        train, test = [], []
+        for cid in range(k):
+            rows = partition[partition["client_id"] == cid]
+            train.append(torch.as_tensor(rows.loc[rows["local_split"] == "train", "sample_id"].to_numpy(), device=device))
+            test.append(torch.as_tensor(rows.loc[rows["local_split"] == "test", "sample_id"].to_numpy(), device=device))
+        hist = np.stack([np.bincount(data.labels[t.cpu().numpy()], minlength=data.num_classes) for t in train])
+        return cls(
+            images=torch.as_tensor(data.images, device=device),
+            labels=torch.as_tensor(data.labels, device=device),
+            num_classes=data.num_classes,
+            global_test=torch.as_tensor(data.split_ids("test"), device=device),
+            client_train=train,
+            client_test=test,
+            train_hist=torch.as_tensor(hist, dtype=torch.float32, device=device),
+            device=device,
+        )

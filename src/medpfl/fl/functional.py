@@ -1,0 +1,103 @@
+"""Functional building blocks of local training: SGD, gradient clipping, cross-entropy with
+per-sample weights, and payload sizes.
+
+Parameters are ``dict[str, Tensor]`` (``Params``). Every function is written so that
+``torch.func.vmap`` can run it over a leading client dimension unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+
+Params = dict[str, torch.Tensor]
+
+
+def make_forward(module: torch.nn.Module) -> Callable[[Params, torch.Tensor], torch.Tensor]:
+    """``forward(params, x) -> logits`` over a template module (its own weights are ignored)."""
+
+    def forward(params: Params, x: torch.Tensor) -> torch.Tensor:
+        return functional_call(module, params, (x,))
+
+    return forward
+
+
+def weighted_ce(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``sum_i w_i * CE(logits_i, y_i)``; with ``w = 1/b`` on the b valid samples this is the
+    batch-mean cross-entropy, and padded samples (w = 0) contribute nothing.
+
+    logits float [B, C], y int64 [B] (padding may hold any valid class), w float [B].
+    """
+    return torch.sum(w * F.cross_entropy(logits, y, reduction="none"))
+
+
+def global_norm(grads: Params) -> torch.Tensor:
+    """L2 norm over all gradient tensors (``torch.nn.utils.clip_grad_norm_``'s total norm)."""
+    return torch.sqrt(sum(torch.sum(g.float() ** 2) for g in grads.values()))
+
+
+def clip_by_global_norm(grads: Params, max_norm: float) -> Params:
+    """Scale ``grads`` by ``min(1, max_norm / (norm + 1e-6))`` (PyTorch ``clip_grad_norm_``)."""
+    coef = torch.clamp(max_norm / (global_norm(grads) + 1e-6), max=1.0)
+    return {k: g * coef for k, g in grads.items()}
+
+
+@torch.no_grad()
+def sgd_step_(params: Params, grads: Params, momentum_buf: Params, lr: float, momentum: float, weight_decay: float,
+              active: torch.Tensor | None = None) -> None:
+    """One step of ``torch.optim.SGD`` (dampening 0, no Nesterov), in place:
+    ``d = g + wd * w;  b = momentum * b + d;  w = w - lr * b``  (b starts at zero).
+
+    ``grads`` is overwritten. active: optional float tensor of 0/1 broadcastable to each
+    parameter with a leading client dim (stacked executor): where 0, parameter and buffer
+    are left unchanged (a padded step of a client with fewer batches than the others). For
+    active clients the arithmetic is the same as without a mask, so results are bit-identical.
+    """
+    for k, p in params.items():
+        d = grads[k]
+        if weight_decay:
+            d.add_(p, alpha=weight_decay)
+        b = momentum_buf[k]
+        if active is None:
+            if momentum:
+                b.mul_(momentum).add_(d)
+            else:
+                b.copy_(d)
+            p.add_(b, alpha=-lr)
+        else:
+            a = active.view(-1, *([1] * (p.dim() - 1)))
+            keep = (1.0 - a) + a * momentum  # 1 for padded steps, momentum for active ones
+            b.mul_(keep).add_(d * a)
+            p.sub_(b * (a * lr))
+
+
+def payload_nbytes(obj: Any) -> int:
+    """Bytes of a payload that crosses the client/server boundary: the sum of ``numel *
+    element_size`` over every tensor in nested dicts/lists; Python floats and ints count 8."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(payload_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(payload_nbytes(v) for v in obj)
+    if isinstance(obj, (int, float)):
+        return 8
+    if obj is None:
+        return 0
+    raise TypeError(f"payload holds an object of type {type(obj).__name__}; only tensors and numbers may cross")
+
+
+def clone_params(p: Params) -> Params:
+    return {k: v.detach().clone() for k, v in p.items()}
+
+
+def weighted_average(stacked: Params, weights: torch.Tensor) -> Params:
+    """``sum_k weights[k] * stacked[name][k]`` for every tensor; weights float [m] summing to 1."""
+    out = {}
+    for k, v in stacked.items():
+        w = weights.to(v.dtype).view(-1, *([1] * (v.dim() - 1)))
+        out[k] = torch.sum(w * v, dim=0)
+    return out

@@ -1,0 +1,67 @@
+"""Seeded schedules shared by every method: which clients train in which round, and the
+order of each client's mini-batches.
+
+Separate random streams: the partition (``partitions.<name>.seed``), the client schedule
+(this module, ``train.sampling``), the weight initialisation (``torch.manual_seed(seed)``)
+and each client's batch order (:func:`batch_plan`, keyed by seed, round and client, so a
+resumed run and both executors draw identical batches without carrying generator state).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import torch
+
+
+def clients_per_round(num_clients: int, participation: float) -> int:
+    """``max(int(K * participation), 1)``, as the FedKPer/FedNTD ``_client_sampling``."""
+    return max(int(num_clients * participation), 1)
+
+
+def client_schedule(num_clients: int, participation: float, rounds: int, scheme: str = "round_seeded",
+                    seed: int = 0) -> np.ndarray:
+    """The sampled clients of every round: int64 ``[rounds, m]``.
+
+    round_seeded: round r uses ``RandomState(r).choice(K, m, replace=False)``, the FedKPer
+    code's ``np.random.seed(round_idx); np.random.choice(...)``: identical for every seed and
+    method. stream: one ``default_rng(seed)`` stream, ``rng.choice(K, m, replace=False)`` per
+    round. Order within a round is the draw order (the order clients train in).
+    """
+    m = clients_per_round(num_clients, participation)
+    out = np.empty((rounds, m), dtype=np.int64)
+    if scheme == "round_seeded":
+        for r in range(rounds):
+            out[r] = np.random.RandomState(r).choice(num_clients, m, replace=False)
+    elif scheme == "stream":
+        rng = np.random.default_rng(seed)
+        for r in range(rounds):
+            out[r] = rng.choice(num_clients, m, replace=False)
+    else:
+        raise ValueError(f"train.sampling.scheme: unknown scheme {scheme!r}; known: round_seeded, stream")
+    return out
+
+
+def derive_seed(*parts: int | str) -> int:
+    """A 63-bit seed from a tuple, stable across processes and Python versions."""
+    h = hashlib.blake2b(repr(tuple(parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & ((1 << 63) - 1)
+
+
+def batch_plan(n: int, batch_size: int, epochs: int, seed: int, round_idx: int, client: int) -> torch.Tensor:
+    """Mini-batch positions for one client's local training in one round.
+
+    Returns int64 ``[epochs * ceil(n / batch_size), batch_size]`` of positions into the
+    client's local train set; each epoch is a fresh permutation (``torch.randperm`` from a
+    generator seeded by ``(seed, round, client)``); the last batch of an epoch is partial and
+    padded with -1 (PyTorch ``DataLoader(shuffle=True, drop_last=False)`` semantics).
+    """
+    if n < 1:
+        raise ValueError(f"client {client} has no local train samples")
+    steps = -(-n // batch_size)
+    g = torch.Generator().manual_seed(derive_seed("batches", seed, round_idx, client))
+    plan = torch.full((epochs, steps * batch_size), -1, dtype=torch.int64)
+    for e in range(epochs):
+        plan[e, :n] = torch.randperm(n, generator=g)
+    return plan.view(epochs * steps, batch_size)

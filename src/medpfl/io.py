@@ -1,0 +1,115 @@
+"""Atomic file output and small readers shared by every stage.
+
+Every stage writes to a temporary file in the destination folder and ``os.replace``s it into
+place, so a crash never leaves a half-written file under the final name that a later stage
+(or Snakemake's "output exists" check) could trust.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path, suffix: str | None = None) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; rename it onto ``path`` only if the block succeeds.
+
+    The temporary name keeps ``path``'s suffix (or ``suffix``) so that writers which
+    dispatch on the extension (``np.savez``, ``DataFrame.to_parquet``, matplotlib) work.
+    On an exception the temporary file is removed and ``path`` is left untouched.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=(suffix or path.suffix) + ".tmp", dir=path.parent)
+    os.close(fd)
+    # Keep the real suffix last for writers that append or check extensions.
+    tmp_path = Path(tmp[: -len(".tmp")])
+    os.replace(tmp, tmp_path)
+    try:
+        yield tmp_path
+        with open(tmp_path, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp_path, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp_path.unlink()
+        raise
+
+
+def write_text(path: str | Path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=_json_default) + "\n")
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def read_json(path: str | Path) -> Any:
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: file not found") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); delete it and re-run the stage that writes it") from None
+
+
+def write_parquet(path: str | Path, df) -> None:
+    with atomic_path(path) as tmp:
+        df.to_parquet(tmp, index=False)
+
+
+def read_parquet(path: str | Path):
+    import pandas as pd
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: file not found")
+    try:
+        return pd.read_parquet(path)
+    except Exception as e:  # pyarrow raises several types for truncated files
+        raise ValueError(f"{path}: unreadable parquet file ({e}); delete it and re-run the stage that writes it") from None
+
+
+def md5sum(path: str | Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.md5()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def tree_hash(paths: list[str | Path], suffixes: tuple[str, ...] = (".py", ".smk", ".yaml")) -> str:
+    """A content hash of the files under ``paths`` (sorted), used as a Snakemake code-change param."""
+    h = hashlib.sha256()
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_file():
+            files.append(p)
+        elif p.is_dir():
+            files.extend(f for f in p.rglob("*") if f.is_file() and f.suffix in suffixes and "__pycache__" not in f.parts)
+    for f in sorted(files):
+        h.update(str(f).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]

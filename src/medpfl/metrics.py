@@ -1,0 +1,216 @@
+"""Federated-learning metrics: accuracy views, backward transfer, consistency, balance.
+
+Definitions follow Fowler & AlRegib, "FedKPer" (ICIP 2026), Section 3.3 and 4.1, computed as
+the authors' code does (``../shared/docs/fedkper-protocol.md`` Section 4 and ``docs/metrics.md``).
+All functions are pure (numpy in, numpy or float out); :func:`summarize_run` turns a training
+job's per-client evaluation records into per-round metrics and one summary per run.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+
+def balanced_accuracy(correct_per_class: np.ndarray, count_per_class: np.ndarray) -> float:
+    """Mean over the classes present (count > 0) of per-class accuracy.
+
+    This is the FedKPer code's ``local on local classwise`` column, which Table 1 reports as
+    "local accuracy" (protocol Section 4.2). Shapes ``[C]``; returns nan if no class is present.
+    """
+    present = count_per_class > 0
+    if not present.any():
+        return float("nan")
+    return float(np.mean(correct_per_class[present] / count_per_class[present]))
+
+
+def backward_transfer(acc: np.ndarray, sampled: np.ndarray) -> np.ndarray:
+    """Per-round backward transfer on previously sampled clients (FedKPer eq. 10).
+
+    acc: float [R, K], the global model's accuracy at the end of round r on client k's local
+    test split. sampled: bool [R, K], client k was sampled in round r (or, with evaluation
+    every few rounds, since the previous evaluated round).
+
+    For each round r > 0 and client k that was sampled in an earlier round, the term is
+    ``acc[r, k] - acc[t, k]`` where t < r is the most recent round in which k was sampled;
+    the round's value is the mean of the terms, 0 if there are none (round 0). Clients
+    sampled in round r are compared with their previous visit, then their stored accuracy
+    is updated (the authors' ``BaseServer._update_and_evaluate``). Returns float [R].
+    """
+    acc = np.asarray(acc, dtype=np.float64)
+    sampled = np.asarray(sampled, dtype=bool)
+    if acc.shape != sampled.shape or acc.ndim != 2:
+        raise ValueError(f"acc {acc.shape} and sampled {sampled.shape} must both be [rounds, clients]")
+    rounds, k = acc.shape
+    last = np.full(k, np.nan)
+    out = np.zeros(rounds)
+    for r in range(rounds):
+        if r > 0:
+            seen = ~np.isnan(last)
+            if seen.any():
+                out[r] = float(np.mean(acc[r, seen] - last[seen]))
+        last[sampled[r]] = acc[r, sampled[r]]
+    return out
+
+
+def inter_peak_forgetting_rates(traj: np.ndarray, include_unrecovered_tail: bool = False) -> list[float]:
+    """IPFR of every recovery interval of an accuracy trajectory (FedKPer eq. 7).
+
+    Starting at peak i = 0, the interval ends at the first j > i with ``A_j >= A_i``; if
+    ``j - i > 1`` its rate is ``(1/(j-i)) * sum_{t=i..j} |A_i - A_t| / A_i`` (both endpoints
+    included, so an overshoot at j counts), and j becomes the next peak. Intervals without an
+    intermediate round are skipped. A trailing interval that never recovers is ignored unless
+    ``include_unrecovered_tail`` (then it ends at the last round). traj: float [T].
+    """
+    a = np.asarray(traj, dtype=np.float64)
+    if a.ndim != 1:
+        raise ValueError(f"trajectory must be 1-D, got shape {a.shape}")
+    if np.isnan(a).any():
+        raise ValueError("trajectory contains NaN")
+    rates: list[float] = []
+    i, n = 0, len(a)
+    while i < n - 1:
+        later = np.nonzero(a[i + 1:] >= a[i])[0]
+        if len(later) == 0:
+            if include_unrecovered_tail and n - 1 - i > 1 and a[i] > 0:
+                j = n - 1
+                rates.append(float(np.sum(np.abs(a[i] - a[i:j + 1]) / a[i]) / (j - i)))
+            break
+        j = i + 1 + int(later[0])
+        if j - i > 1:  # a_i > 0 here: a_i = 0 is always recovered at i + 1
+            rates.append(float(np.sum(np.abs(a[i] - a[i:j + 1]) / a[i]) / (j - i)))
+        i = j
+    return rates
+
+
+def consistency(traj: np.ndarray, include_unrecovered_tail: bool = False) -> float:
+    """``C = 1 - AIPFR`` (FedKPer eq. 8-9): 1 when accuracy never drops below a past peak.
+
+    With no recovery interval (monotone, a single round, or only unrecovered drops) the
+    value is 1 (protocol Section 4.2: assumption).
+    """
+    rates = inter_peak_forgetting_rates(traj, include_unrecovered_tail)
+    return 1.0 if not rates else 1.0 - float(np.mean(rates))
+
+
+def balance(avg_global_acc: float, avg_local_acc: float) -> float:
+    """Global-local balance ``(A_g + A_k) / 2`` (FedKPer Section 4.1)."""
+    return (avg_global_acc + avg_local_acc) / 2.0
+
+
+def _nanstat(fn, x) -> float:
+    x = np.asarray(x, dtype=np.float64)
+    x = x[~np.isnan(x)]
+    return float(fn(x)) if len(x) else float("nan")
+
+
+def summarize_run(records: pd.DataFrame, rounds: pd.DataFrame, num_clients: int, has_global_model: bool,
+                  personalized: bool) -> tuple[pd.DataFrame, dict]:
+    """Per-round metrics and the run summary from a training job's tables.
+
+    records: :class:`medpfl.data.schemas.EvalRecords`; rounds: :class:`RoundLog`.
+    Returns ``(per_round, summary)``. The paper-convention summaries (protocol Section 4.2)
+    average over rounds with the std over rounds; the plain ones a user expects (final
+    round, worst over all clients) are reported beside them under their own names.
+    """
+    rounds = rounds.sort_values("round").reset_index(drop=True)
+    r_all = rounds["round"].to_numpy()
+    per = pd.DataFrame({"round": r_all})
+
+    def view(name: str) -> pd.DataFrame:
+        return records[records["view"] == name]
+
+    # Global model on the global test set.
+    g = view("global_test").set_index("round")
+    per["global_test_acc"] = g["accuracy"].reindex(r_all).to_numpy()
+    per["global_test_bal_acc"] = g["balanced_accuracy"].reindex(r_all).to_numpy()
+    per["global_test_loss"] = g["loss"].reindex(r_all).to_numpy()
+
+    # Global model on every client's local test split; BwT over evaluated rounds.
+    gl = view("global_on_local")
+    bwt = np.full(len(r_all), np.nan)
+    if len(gl):
+        mat = gl.pivot(index="round", columns="client_id", values="accuracy").reindex(columns=range(num_clients))
+        eval_rounds = mat.index.to_numpy()
+        sampled_since = np.zeros((len(eval_rounds), num_clients), dtype=bool)
+        prev = -1
+        for i, r in enumerate(eval_rounds):
+            for rr in range(prev + 1, r + 1):
+                row = rounds.loc[rounds["round"] == rr, "sampled_clients"]
+                if len(row):
+                    sampled_since[i, [int(c) for c in str(row.iloc[0]).split()]] = True
+            prev = r
+        b = backward_transfer(mat.to_numpy(), sampled_since)
+        bwt = pd.Series(b, index=eval_rounds).reindex(r_all).to_numpy()
+        per["global_on_local_mean"] = mat.mean(axis=1).reindex(r_all).to_numpy()
+        per["global_on_local_worst"] = mat.min(axis=1).reindex(r_all).to_numpy()
+    else:
+        per["global_on_local_mean"] = np.nan
+        per["global_on_local_worst"] = np.nan
+    per["bwt"] = bwt
+
+    # Each sampled client's model right after local training, on its local test split.
+    la = view("local_after_training").groupby("round")
+    per["local_bal_acc_mean"] = la["balanced_accuracy"].mean().reindex(r_all).to_numpy()
+    per["local_bal_acc_worst"] = la["balanced_accuracy"].min().reindex(r_all).to_numpy()
+    per["local_acc_mean"] = la["accuracy"].mean().reindex(r_all).to_numpy()
+    per["local_acc_worst"] = la["accuracy"].min().reindex(r_all).to_numpy()
+
+    # Each client's personalized model on its local test split (personalized methods).
+    pv = view("personalized_on_local").groupby("round")
+    per["personalized_acc_mean"] = pv["accuracy"].mean().reindex(r_all).to_numpy()
+    per["personalized_acc_worst"] = pv["accuracy"].min().reindex(r_all).to_numpy()
+
+    for col in ("bytes_up", "bytes_down", "train_seconds", "eval_seconds", "round_seconds"):
+        per[col] = rounds[col].to_numpy()
+    per["cum_seconds"] = per["round_seconds"].cumsum()
+
+    s: dict[str, float] = {"rounds": int(len(r_all)), "num_clients": int(num_clients)}
+    gacc = per["global_test_acc"].to_numpy()
+    if has_global_model and not np.all(np.isnan(gacc)):
+        ge = gacc[~np.isnan(gacc)]
+        s["avg_global_acc"] = float(np.mean(ge))
+        s["avg_global_acc_std_rounds"] = float(np.std(ge))
+        s["final_global_acc"] = float(ge[-1])
+        s["final_global_bal_acc"] = _nanstat(lambda x: x[-1], per["global_test_bal_acc"])
+        be = bwt[~np.isnan(bwt)]
+        s["avg_global_bwt"] = float(np.mean(be)) if len(be) else float("nan")
+        s["avg_global_bwt_std_rounds"] = float(np.std(be)) if len(be) else float("nan")
+        s["global_consistency"] = consistency(ge)
+    else:
+        for k in ("avg_global_acc", "avg_global_acc_std_rounds", "final_global_acc", "final_global_bal_acc",
+                  "avg_global_bwt", "avg_global_bwt_std_rounds", "global_consistency"):
+            s[k] = float("nan")
+
+    lb = per["local_bal_acc_mean"].to_numpy()
+    lbe = lb[~np.isnan(lb)]
+    s["avg_local_acc"] = float(np.mean(lbe)) if len(lbe) else float("nan")
+    s["avg_local_acc_std_rounds"] = float(np.std(lbe)) if len(lbe) else float("nan")
+    s["avg_local_acc_plain"] = _nanstat(np.mean, per["local_acc_mean"])
+    s["avg_worst_client_acc"] = _nanstat(np.mean, per["local_bal_acc_worst"])
+    s["avg_worst_client_acc_plain"] = _nanstat(np.mean, per["local_acc_worst"])
+    s["local_consistency"] = consistency(lbe) if len(lbe) else float("nan")
+    s["balance"] = balance(s["avg_global_acc"], s["avg_local_acc"]) if has_global_model else float("nan")
+
+    # Plain view: the model each client would deploy at the end, over all clients.
+    last_r = int(r_all[-1])
+    deploy = view("personalized_on_local" if personalized else "global_on_local")
+    final = deploy[deploy["round"] == deploy["round"].max()] if len(deploy) else deploy
+    s["final_client_acc_mean"] = _nanstat(np.mean, final["accuracy"]) if len(final) else float("nan")
+    s["final_client_acc_worst"] = _nanstat(np.min, final["accuracy"]) if len(final) else float("nan")
+    s["final_client_bal_acc_mean"] = _nanstat(np.mean, final["balanced_accuracy"]) if len(final) else float("nan")
+    lg = view("local_on_global_test")
+    s["final_local_models_on_global_test"] = _nanstat(np.mean, lg["accuracy"]) if len(lg) else float("nan")
+
+    s["bytes_up_total"] = int(rounds["bytes_up"].sum())
+    s["bytes_down_total"] = int(rounds["bytes_down"].sum())
+    s["mb_per_round"] = float((rounds["bytes_up"] + rounds["bytes_down"]).mean() / 1e6)
+    s["seconds_per_round"] = float(rounds["round_seconds"].mean())
+    s["train_seconds_per_round"] = float(rounds["train_seconds"].mean())
+    s["eval_seconds_per_round"] = float(rounds["eval_seconds"].mean())
+    s["wall_seconds"] = float(rounds["round_seconds"].sum())
+    s["last_round"] = last_r
+    s = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in s.items()}
+    return per, s

@@ -1,0 +1,87 @@
+"""Report stage: tables, figures and the DVC metrics file from finished runs.
+
+:func:`build_report` is the entry point; :mod:`medpfl.report.tables` builds the tables and
+:mod:`medpfl.report.figures` the accuracy-per-round figure.
+"""
+
+from __future__ import annotations
+
+import base64
+import mimetypes
+from pathlib import Path
+
+from medpfl.io import atomic_path, write_json
+from medpfl.report.figures import plot_curves
+from medpfl.report.tables import load_runs, render_html, render_markdown, summary_frame, summary_metrics
+
+__all__ = ["build_report"]
+
+
+def _embed(path: Path) -> tuple[str, str, str]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: file not found")
+    mime = mimetypes.guess_type(path.name)[0] or "image/png"
+    return path.name, mime, base64.b64encode(path.read_bytes()).decode("ascii")
+
+
+def _write_utf8(path: Path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def build_report(run_dirs: list[Path], out_dir: Path, partition_figures: list[Path] = (),
+                 title: str = "") -> dict:
+    """Summarise finished runs into tables, a figure and the DVC metrics file.
+
+    Reads ``metrics.json`` and ``round_metrics.csv`` from every folder in ``run_dirs`` (one
+    per dataset × partition × method × seed) and writes, each atomically, into ``out_dir``:
+
+    * ``summary.csv``: one row per run (identity columns and every per-run summary key);
+    * ``table.md`` and ``table.html``: for each (dataset, partition), one row per method in the
+      order methods first appear in ``run_dirs``:
+
+      - "Table 1 (FedKPer paper convention)", as in Table 1 of Fowler & AlRegib, "FedKPer"
+        (ICIP 2026), following ``../shared/docs/fedkper-protocol.md`` §4.2: Avg Global Acc,
+        Avg Global BwT and Avg Local Acc show the mean over seeds of each run's round average
+        ``±`` the mean over seeds of each run's **std over rounds**; Avg Global Consistency,
+        Avg Worst Client Acc and Avg Local Consistency show the mean ``±`` the **std over seeds**
+        (population, ddof=0; ``± n/a`` with one seed); Balance is the seed mean with no ``±``;
+      - "Plain summary (mean ± std over seeds)": final accuracies, MB and seconds per round.
+
+      A null value renders as "—". ``table.html`` is a self-contained page (inline CSS) that
+      embeds ``curves.png`` and every file in ``partition_figures`` as base64 data URIs;
+    * ``curves.png``: global test accuracy and sampled clients' balanced accuracy after local
+      training per round, one row per (dataset, partition), mean over seeds with a min–max band;
+    * ``summary.json``: ``{dataset: {partition: {method: {metric: mean over seeds}}}}`` (null
+      stays null), the DVC metrics file.
+
+    Raises ``ValueError("report: no runs given")`` for an empty ``run_dirs``, and
+    ``FileNotFoundError`` / ``ValueError`` naming the file when an input is missing or
+    unreadable. Returns ``{"summary_csv", "table_md", "table_html", "curves_png",
+    "summary_json"}`` mapped to the paths written.
+    """
+    run_dirs = [Path(d) for d in run_dirs]
+    if not run_dirs:
+        raise ValueError("report: no runs given")
+    runs = load_runs(run_dirs)
+    figures = [_embed(p) for p in partition_figures]  # fail on a missing figure before writing anything
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "summary_csv": out_dir / "summary.csv",
+        "table_md": out_dir / "table.md",
+        "table_html": out_dir / "table.html",
+        "curves_png": out_dir / "curves.png",
+        "summary_json": out_dir / "summary.json",
+    }
+
+    with atomic_path(paths["summary_csv"]) as tmp:
+        summary_frame(runs).to_csv(tmp, index=False)
+    write_json(paths["summary_json"], summary_metrics(runs))
+    plot_curves(runs, paths["curves_png"])
+    _write_utf8(paths["table_md"], render_markdown(runs, title, curves_name=paths["curves_png"].name))
+    curves = ("Accuracy per round (line: mean over seeds; band: min–max over seeds)", "image/png",
+              base64.b64encode(paths["curves_png"].read_bytes()).decode("ascii"))
+    _write_utf8(paths["table_html"], render_html(runs, title, [curves, *figures]))
+    return paths

@@ -1,0 +1,188 @@
+"""MLflow tracking: one parent run per study, one child run per training job.
+
+Tracking URI: ``$MLFLOW_TRACKING_URI``, else ``sqlite:///<project>/mlruns.db`` (the MLflow 3
+file store is deprecated and raises since 3.13). Artifacts go to ``<project>/mlartifacts/``
+for experiments created here. The ``mlflow-init`` stage creates the store, the experiment and
+the parent run once, before parallel training jobs start (a fresh SQLite store migrated by
+several processes at once crashes; ``docs/pipeline.md``), and writes ``parent.json``; every
+child reads the URI and ids from that file, so all jobs of a study land in the same store.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from medpfl.io import read_json, write_json
+
+log = logging.getLogger(__name__)
+os.environ.setdefault("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")
+
+
+class TrackingError(RuntimeError):
+    """The MLflow store cannot be reached or written; the message names the URI."""
+
+
+def default_tracking_uri(root: Path | None = None) -> str:
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        return uri
+    return f"sqlite:///{(root or Path.cwd()).resolve() / 'mlruns.db'}"
+
+
+def _client(uri: str):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def check_reachable(uri: str, timeout: float = 10.0) -> None:
+    """Fail fast with a clear message if the tracking server or store does not answer."""
+    if uri.startswith(("http://", "https://")):
+        import urllib.error
+        import urllib.request
+
+        url = uri.rstrip("/") + "/health"
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as r:
+                if r.status != 200:
+                    raise TrackingError(f"MLflow server {uri} answered {r.status} on /health")
+        except (urllib.error.URLError, OSError, TimeoutError) as e:
+            raise TrackingError(f"MLflow tracking server {uri} is unreachable ({e}); start it "
+                                "(`mlflow server ...`) or set MLFLOW_TRACKING_URI to a reachable store") from None
+    elif uri.startswith("sqlite:///"):
+        path = Path(uri[len("sqlite:///"):])
+        if not path.parent.exists():
+            raise TrackingError(f"MLflow store {uri}: folder {path.parent} does not exist")
+    elif uri.startswith("file:") or "://" not in uri:
+        raise TrackingError(f"MLflow tracking URI {uri!r}: the file store is deprecated in MLflow 3; "
+                            "use sqlite:///path/to/mlruns.db or a server URL")
+
+
+def git_commit(cwd: Path | None = None) -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def init_study(study: str, experiment: str, out: Path, params: dict[str, Any] | None = None,
+               uri: str | None = None, artifact_root: Path | None = None) -> dict:
+    """Create (or reuse) the store, the experiment and a parent run for ``study``; write ``out``.
+
+    Returns the parent record ``{"tracking_uri", "experiment_id", "parent_run_id", "study"}``.
+    """
+    import mlflow
+
+    uri = uri or default_tracking_uri()
+    check_reachable(uri)
+    client = _client(uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        root = (artifact_root or Path.cwd() / "mlartifacts").resolve()
+        exp_id = client.create_experiment(experiment, artifact_location=(root / experiment).as_uri())
+    else:
+        exp_id = exp.experiment_id
+    tags = {"study": study, "git_commit": git_commit(), "medpfl.role": "study"}
+    run = client.create_run(exp_id, run_name=study, tags=tags)
+    if params:
+        from mlflow.entities import Param
+
+        flat = flatten(params)
+        client.log_batch(run.info.run_id, params=[Param(k, str(v)[:6000]) for k, v in flat.items()])
+        client.log_dict(run.info.run_id, params, "config/params.json")
+    client.set_terminated(run.info.run_id, "FINISHED")
+    record = {"tracking_uri": uri, "experiment_id": exp_id, "parent_run_id": run.info.run_id, "study": study,
+              "experiment": experiment, "mlflow_version": mlflow.__version__}
+    write_json(out, record)
+    return record
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}} -> {"a.b": 1}`` (lists are kept as their string)."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+class RunLogger:
+    """A child run of the study's parent: params, per-round metrics (step = round), artifacts.
+
+    ``run_file`` (``mlflow_run.json`` in the run folder) records the run id as soon as the run
+    exists, so a resumed job continues the same MLflow run instead of starting a new one.
+    """
+
+    def __init__(self, parent_file: Path, run_file: Path, run_name: str, tags: dict[str, str], resume: bool = True):
+        parent = read_json(parent_file)
+        self.uri = parent["tracking_uri"]
+        check_reachable(self.uri)
+        self.client = _client(self.uri)
+        self.run_file = Path(run_file)
+        run_id = None
+        if resume and self.run_file.exists():
+            try:
+                run_id = read_json(self.run_file)["run_id"]
+                self.client.get_run(run_id)
+            except Exception:
+                run_id = None
+        if run_id is None:
+            all_tags = {"mlflow.parentRunId": parent["parent_run_id"], "mlflow.runName": run_name, **tags}
+            run = self.client.create_run(parent["experiment_id"], run_name=run_name, tags=all_tags)
+            run_id = run.info.run_id
+            write_json(self.run_file, {"run_id": run_id, "experiment_id": parent["experiment_id"],
+                                       "parent_run_id": parent["parent_run_id"], "tracking_uri": self.uri})
+            self.resumed = False
+        else:
+            self.client.update_run(run_id, status="RUNNING")
+            self.resumed = True
+        self.run_id = run_id
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        existing = self.client.get_run(self.run_id).data.params
+        flat = {k: str(v)[:6000] for k, v in flatten(params).items() if k not in existing}
+        items = list(flat.items())
+        for i in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in items[i:i + 100]])
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        from mlflow.entities import Metric
+
+        ts = int(time.time() * 1000)
+        ms = [Metric(k, float(v), ts, step if step is not None else 0) for k, v in metrics.items()
+              if v is not None and v == v]
+        for i in range(0, len(ms), 500):
+            self.client.log_batch(self.run_id, metrics=ms[i:i + 500])
+
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def log_dict(self, obj: dict, name: str) -> None:
+        self.client.log_dict(self.run_id, obj, name)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        self.client.set_terminated(self.run_id, status)
+
+    @classmethod
+    def reopen(cls, run_file: Path) -> "RunLogger":
+        """The run recorded in ``run_file`` (evaluate stage)."""
+        info = read_json(run_file)
+        self = cls.__new__(cls)
+        self.uri = info["tracking_uri"]
+        check_reachable(self.uri)
+        self.client = _client(self.uri)
+        self.run_file = Path(run_file)
+        self.run_id = info["run_id"]
+        self.resumed = True
+        return self

@@ -1,0 +1,251 @@
+"""Tests of the report stage on small synthetic run folders (CPU, fast)."""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from medpfl.report import build_report
+from medpfl.report.tables import SUMMARY_KEYS
+
+ROUND_COLS = ["round", "global_test_acc", "global_test_bal_acc", "global_test_loss", "global_on_local_mean",
+              "global_on_local_worst", "bwt", "local_bal_acc_mean", "local_bal_acc_worst", "local_acc_mean",
+              "local_acc_worst", "personalized_acc_mean", "personalized_acc_worst", "bytes_up", "bytes_down",
+              "train_seconds", "eval_seconds", "round_seconds", "cum_seconds"]
+GLOBAL_KEYS = ("avg_global_acc", "avg_global_acc_std_rounds", "final_global_acc", "final_global_bal_acc",
+               "avg_global_bwt", "avg_global_bwt_std_rounds", "global_consistency", "balance")
+ROUNDS = 5
+
+
+def _summary(method: str, seed: int) -> dict:
+    """Distinct, hand-chosen values per (method, seed) so that seed means and stds are checkable."""
+    base = {"fedavg": 0.40, "fedkper": 0.60, "local": 0.50}[method] + 0.02 * seed
+    s = {k: round(base + 0.001 * i, 6) for i, k in enumerate(SUMMARY_KEYS)}
+    s["avg_global_acc"] = round(base, 6)
+    s["avg_global_acc_std_rounds"] = round(0.10 + 0.01 * seed, 6)
+    s["avg_global_bwt"] = round(-0.2 + 0.01 * seed, 6)
+    s["avg_global_bwt_std_rounds"] = round(0.05 * seed, 6)
+    s["global_consistency"] = round(0.70 + 0.03 * seed, 6)
+    s["avg_local_acc"] = round(base + 0.3, 6)
+    s["avg_local_acc_std_rounds"] = round(0.12 + 0.02 * seed, 6)
+    s["avg_worst_client_acc"] = round(0.55 + 0.05 * seed, 6)
+    s["local_consistency"] = round(0.80 - 0.01 * seed, 6)
+    s["balance"] = round((s["avg_global_acc"] + s["avg_local_acc"]) / 2, 6)
+    s["mb_per_round"] = round(1.5 * seed, 6)
+    s["rounds"], s["num_clients"], s["last_round"] = ROUNDS, 4, ROUNDS - 1
+    if method == "local":
+        for k in GLOBAL_KEYS:
+            s[k] = None
+    return s
+
+
+def _write_run(root: Path, method: str, seed: int, dataset: str = "bloodmnist", partition: str = "dir0.1") -> Path:
+    d = root / dataset / partition / method / f"seed{seed}"
+    d.mkdir(parents=True)
+    summary = _summary(method, seed)
+    meta = {"study": "test", "dataset": dataset, "partition": partition, "method": method,
+            "algorithm": method.upper(), "seed": seed, "mlflow_run_id": None, "summary": summary}
+    (d / "metrics.json").write_text(json.dumps(meta))
+    rng = np.random.default_rng([seed, len(method)])
+    df = pd.DataFrame({c: rng.uniform(0.2, 0.9, ROUNDS) for c in ROUND_COLS})
+    df["round"] = np.arange(ROUNDS)
+    if method == "local":
+        for c in ("global_test_acc", "global_test_bal_acc", "global_test_loss", "global_on_local_mean",
+                  "global_on_local_worst", "bwt"):
+            df[c] = np.nan
+    elif method == "fedkper":
+        df.loc[[1, 3], "global_test_acc"] = np.nan  # evaluated every other round
+    df.to_csv(d / "round_metrics.csv", index=False)
+    return d
+
+
+@pytest.fixture
+def runs(tmp_path: Path) -> list[Path]:
+    root = tmp_path / "runs"
+    return [_write_run(root, m, s) for m in ("fedavg", "fedkper", "local") for s in (1, 2)]
+
+
+def _table1_rows(md: str) -> dict[str, list[str]]:
+    """Strategy -> cells of the Table 1 block in table.md."""
+    block = md.split("### Table 1 (FedKPer paper convention)")[1].split("###")[0]
+    rows = {}
+    for line in block.splitlines():
+        if line.startswith("|") and not set(line) <= set("|-: "):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def _png_ok(data: bytes) -> bool:
+    if not data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return False
+    length, = struct.unpack(">I", data[8:12])
+    chunk = data[12:16 + length]
+    return chunk[:4] == b"IHDR" and struct.unpack(">I", data[16 + length:20 + length])[0] == zlib.crc32(chunk)
+
+
+def test_build_report_writes_all_files(runs: list[Path], tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    paths = build_report(runs, out, title="Test study")
+    assert set(paths) == {"summary_csv", "table_md", "table_html", "curves_png", "summary_json"}
+    for p in paths.values():
+        assert Path(p).is_file() and Path(p).parent == out
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary files left behind
+
+
+def test_table1_paper_convention(runs: list[Path], tmp_path: Path) -> None:
+    paths = build_report(runs, tmp_path / "report")
+    md = paths["table_md"].read_text(encoding="utf-8")
+    header = ("| Strategy | Avg Global Acc ↑ | Avg Global BwT ↑ | Avg Global Consistency ↑ | Avg Local Acc ↑ "
+              "| Avg Worst Client Acc ↑ | Avg Local Consistency ↑ | Balance ↑ |")
+    assert " ".join(header.split()) in " ".join(md.split())
+    rows = _table1_rows(md)
+    assert list(rows) == ["Strategy", "fedavg", "fedkper", "local"]  # order of first appearance
+
+    for method in ("fedavg", "fedkper"):
+        s = [_summary(method, seed) for seed in (1, 2)]
+        cells = rows[method]
+        # Acc / BwT / Local Acc: mean over seeds ± mean over seeds of the std over rounds.
+        for i, (key, std_key) in enumerate([("avg_global_acc", "avg_global_acc_std_rounds"),
+                                            ("avg_global_bwt", "avg_global_bwt_std_rounds")]):
+            exp = f"{np.mean([x[key] for x in s]):.3f} ± {np.mean([x[std_key] for x in s]):.3f}"
+            assert cells[i] == exp
+        exp_local = (f"{np.mean([x['avg_local_acc'] for x in s]):.3f} ± "
+                     f"{np.mean([x['avg_local_acc_std_rounds'] for x in s]):.3f}")
+        assert cells[3] == exp_local
+        # Consistencies and worst client: mean ± population std over seeds.
+        for i, key in ((2, "global_consistency"), (4, "avg_worst_client_acc"), (5, "local_consistency")):
+            vals = np.array([x[key] for x in s])
+            assert cells[i] == f"{vals.mean():.3f} ± {vals.std(ddof=0):.3f}"
+        assert cells[6] == f"{np.mean([x['balance'] for x in s]):.3f}"
+    # Spot check of the hand computation for fedavg: seeds give 0.42/0.44 and std-rounds 0.11/0.12.
+    assert rows["fedavg"][0] == "0.430 ± 0.115"
+    assert rows["fedavg"][2] == "0.745 ± 0.015"  # consistency 0.73 / 0.76: seed std 0.015, not a rounds std
+
+    local = rows["local"]
+    assert local[0] == local[1] == local[2] == local[6] == "—"
+    assert local[3] != "—" and "±" in local[3]
+    assert "class-balanced accuracy" in md and "std over rounds" in md and "std over seeds" in md
+
+
+def test_single_seed_has_no_seed_std(tmp_path: Path) -> None:
+    d = _write_run(tmp_path / "runs", "fedavg", 1)
+    md = build_report([d], tmp_path / "report")["table_md"].read_text(encoding="utf-8")
+    cells = _table1_rows(md)["fedavg"]
+    s = _summary("fedavg", 1)
+    assert cells[0] == f"{s['avg_global_acc']:.3f} ± {s['avg_global_acc_std_rounds']:.3f}"
+    assert cells[2] == f"{s['global_consistency']:.3f} ± n/a"
+
+
+def test_plain_table(runs: list[Path], tmp_path: Path) -> None:
+    md = build_report(runs, tmp_path / "report")["table_md"].read_text(encoding="utf-8")
+    block = md.split("### Plain summary (mean ± std over seeds)")[1].split("##")[0]
+    lines = [ln for ln in block.splitlines() if ln.startswith("| fedavg")]
+    cells = [c.strip() for c in lines[0].strip("|").split("|")]
+    s = [_summary("fedavg", seed) for seed in (1, 2)]
+    fga = np.array([x["final_global_acc"] for x in s])
+    mb = np.array([x["mb_per_round"] for x in s])
+    assert cells[1] == f"{fga.mean():.3f} ± {fga.std():.3f}"
+    assert cells[5] == f"{mb.mean():.2f} ± {mb.std():.2f}"
+    assert cells[-1] == "2"
+
+
+def test_summary_csv_and_json(runs: list[Path], tmp_path: Path) -> None:
+    paths = build_report(runs, tmp_path / "report")
+    df = pd.read_csv(paths["summary_csv"])
+    assert len(df) == len(runs) == 6
+    assert list(df.columns[:7]) == ["study", "dataset", "partition", "method", "algorithm", "seed", "mlflow_run_id"]
+    assert set(SUMMARY_KEYS) <= set(df.columns)
+    row = df[(df["method"] == "fedkper") & (df["seed"] == 2)].iloc[0]
+    assert row["avg_global_acc"] == pytest.approx(_summary("fedkper", 2)["avg_global_acc"])
+    assert df.loc[df["method"] == "local", "avg_global_acc"].isna().all()
+
+    js = json.loads(paths["summary_json"].read_text())
+    fk = js["bloodmnist"]["dir0.1"]["fedkper"]
+    assert set(fk) == {"avg_global_acc", "avg_global_bwt", "global_consistency", "avg_local_acc",
+                       "avg_worst_client_acc", "local_consistency", "balance", "final_global_acc",
+                       "final_client_acc_worst", "mb_per_round"}
+    for key, value in fk.items():
+        assert value == pytest.approx(np.mean([_summary("fedkper", seed)[key] for seed in (1, 2)]))
+    loc = js["bloodmnist"]["dir0.1"]["local"]
+    assert loc["avg_global_acc"] is None and loc["balance"] is None
+    assert loc["avg_local_acc"] == pytest.approx(np.mean([_summary("local", s)["avg_local_acc"] for s in (1, 2)]))
+
+
+def test_figures_and_html(runs: list[Path], tmp_path: Path) -> None:
+    part_fig = tmp_path / "partition.png"
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(2, 2))
+    ax.bar([0, 1], [1, 2])
+    fig.savefig(part_fig)
+    plt.close(fig)
+
+    paths = build_report(runs, tmp_path / "report", partition_figures=[part_fig], title="My <study>")
+    png = paths["curves_png"].read_bytes()
+    assert png.startswith(b"\x89PNG") and _png_ok(png)
+    page = paths["table_html"].read_text(encoding="utf-8")
+    assert page.count("data:image/png;base64,") == 2  # curves + the partition figure
+    assert "Table 1 (FedKPer paper convention)" in page and "Avg Global Acc ↑" in page
+    assert "Plain summary (mean ± std over seeds)" in page
+    assert "My &lt;study&gt;" in page and "<style>" in page
+    assert "http://" not in page and "https://" not in page and 'src="data:' in page
+    assert "<td>—</td>" in page  # null global metrics of "local"
+
+
+def test_two_groups(tmp_path: Path) -> None:
+    root = tmp_path / "runs"
+    dirs = [_write_run(root, "fedavg", 1), _write_run(root, "fedavg", 1, partition="iid"),
+            _write_run(root, "local", 1, dataset="organsmnist")]
+    paths = build_report(dirs, tmp_path / "report")
+    md = paths["table_md"].read_text(encoding="utf-8")
+    assert md.index("## bloodmnist / dir0.1") < md.index("## bloodmnist / iid") < md.index("## organsmnist / dir0.1")
+    js = json.loads(paths["summary_json"].read_text())
+    assert set(js["bloodmnist"]) == {"dir0.1", "iid"} and set(js["organsmnist"]["dir0.1"]) == {"local"}
+    assert _png_ok(paths["curves_png"].read_bytes())
+
+
+def test_errors(runs: list[Path], tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="report: no runs given"):
+        build_report([], tmp_path / "report")
+
+    (runs[0] / "metrics.json").unlink()
+    with pytest.raises(FileNotFoundError, match=str(runs[0] / "metrics.json").replace("\\", "\\\\")):
+        build_report(runs, tmp_path / "report")
+    assert not (tmp_path / "report" / "summary.csv").exists()
+
+    (runs[1] / "round_metrics.csv").unlink()
+    with pytest.raises(FileNotFoundError, match="round_metrics.csv"):
+        build_report(runs[1:], tmp_path / "report")
+
+    (runs[2] / "round_metrics.csv").write_text("")
+    with pytest.raises(ValueError, match=f"{runs[2]}.*round_metrics.csv"):
+        build_report(runs[2:], tmp_path / "report")
+
+    (runs[3] / "metrics.json").write_text("{not json")
+    with pytest.raises(ValueError, match="metrics.json"):
+        build_report(runs[3:], tmp_path / "report")
+
+    dup = runs[4]
+    with pytest.raises(ValueError, match="same run"):
+        build_report([dup, dup], tmp_path / "report")
+
+    with pytest.raises(FileNotFoundError, match="nope.png"):
+        build_report(runs[4:], tmp_path / "report", partition_figures=[tmp_path / "nope.png"])
+
+
+def test_all_nan_seed_values_are_null(tmp_path: Path) -> None:
+    # NaN in metrics.json (json.dumps writes it as non-standard NaN) must become null.
+    d = _write_run(tmp_path / "runs", "fedavg", 1)
+    meta = json.loads((d / "metrics.json").read_text())
+    meta["summary"]["global_consistency"] = float("nan")
+    (d / "metrics.json").write_text(json.dumps(meta))
+    paths = build_report([d], tmp_path / "report")
+    assert json.loads(paths["summary_json"].read_text())["bloodmnist"]["dir0.1"]["fedavg"]["global_consistency"] is None
+    assert _table1_rows(paths["table_md"].read_text(encoding="utf-8"))["fedavg"][2] == "—"

@@ -1,0 +1,79 @@
+# Helpers shared by the rule files. Parameters are validated here, once, before any job runs:
+# a typo in params.yaml or an overlay fails with the dotted key's name.
+import shlex
+import shutil
+from pathlib import Path
+
+from medpfl.config import canonical_json, dataset_job, train_job, validate_params
+from medpfl.io import tree_hash
+
+PARAMS = validate_params(config, "params.yaml (with any --configfile overlays)")
+STUDY = PARAMS.study
+ROOT = Path(workflow.basedir)
+HAS_GPU = shutil.which("nvidia-smi") is not None
+TRAIN_THREADS = max(1, min(int(workflow.cores or 1), 8))
+
+
+wildcard_constraints:
+    dataset=r"[A-Za-z0-9][A-Za-z0-9_.+-]*",
+    partition=r"[A-Za-z0-9][A-Za-z0-9_.+-]*",
+    method=r"[A-Za-z0-9][A-Za-z0-9_.+-]*",
+    seed=r"\d+",
+    study=r"[A-Za-z0-9][A-Za-z0-9_.+-]*",
+
+
+def q(obj):
+    """Shell-quoted canonical JSON: the job description passed to `medpfl <stage> --job`."""
+    return shlex.quote(canonical_json(obj))
+
+
+def code_hash(*parts):
+    """Content hash of package sources, so editing the code behind a stage re-runs it."""
+    return tree_hash([ROOT / "src" / "medpfl" / p for p in parts])
+
+
+def dataset_json(wildcards):
+    return q(dataset_job(PARAMS, wildcards.dataset))
+
+
+def partition_json(wildcards):
+    cfg = PARAMS.partitions[wildcards.partition].model_dump()
+    return q({"dataset": wildcards.dataset, "name": wildcards.partition, "config": cfg})
+
+
+def train_json(wildcards):
+    return q(train_job(PARAMS, wildcards.dataset, wildcards.partition, wildcards.method, int(wildcards.seed)))
+
+
+def study_json(wildcards):
+    return q(PARAMS.model_dump(mode="json"))
+
+
+RUN_DIR = "results/{study}/runs/{dataset}/{partition}/{method}/seed{seed}"
+
+
+def run_dirs():
+    return expand(
+        RUN_DIR,
+        study=STUDY,
+        dataset=PARAMS.data.datasets,
+        partition=list(PARAMS.partitions),
+        method=PARAMS.methods,
+        seed=PARAMS.seeds,
+    )
+
+
+def partition_outputs(name):
+    return expand(
+        "data/partitions/{dataset}/{partition}/" + name,
+        dataset=PARAMS.data.datasets,
+        partition=list(PARAMS.partitions),
+    )
+
+
+def report_outputs():
+    return expand(
+        "results/{study}/report/{f}",
+        study=STUDY,
+        f=["table.md", "table.html", "summary.csv", "summary.json", "curves.png"],
+    )

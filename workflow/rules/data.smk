@@ -1,0 +1,62 @@
+# download -> preprocess -> partition
+
+
+rule download:
+    output:
+        "data/raw/{dataset}.npz",
+    params:
+        job=dataset_json,
+    log:
+        "logs/download/{dataset}.log",
+    conda:
+        "../envs/medpfl.yaml"
+    shell:
+        "medpfl download --job {params.job} --out {output} > {log} 2>&1"
+
+
+rule preprocess:
+    input:
+        "data/raw/{dataset}.npz",
+    output:
+        arrays="data/processed/{dataset}.npz",
+        samples="data/processed/{dataset}.samples.parquet",
+    params:
+        job=dataset_json,
+        code=code_hash("data"),
+    log:
+        "logs/preprocess/{dataset}.log",
+    conda:
+        "../envs/medpfl.yaml"
+    shell:
+        "medpfl preprocess --job {params.job} --raw {input} --out {output.arrays} "
+        "--samples {output.samples} > {log} 2>&1"
+
+
+rule partition:
+    input:
+        arrays="data/processed/{dataset}.npz",
+        samples="data/processed/{dataset}.samples.parquet",
+    output:
+        table="data/partitions/{dataset}/{partition}/partition.parquet",
+        stats="data/partitions/{dataset}/{partition}/client_stats.json",
+        figure=report(
+            "data/partitions/{dataset}/{partition}/heatmap.png",
+            caption="../report/partition.rst",
+            category="Partitions",
+            labels={"dataset": "{dataset}", "partition": "{partition}"},
+        ),
+    params:
+        job=partition_json,
+        code=code_hash("data"),
+    log:
+        "logs/partition/{dataset}/{partition}.log",
+    conda:
+        "../envs/medpfl.yaml"
+    shell:
+        "medpfl partition --job {params.job} --arrays {input.arrays} --samples {input.samples} "
+        "--out-dir $(dirname {output.table}) > {log} 2>&1"
+
+
+rule data_all:
+    input:
+        partition_outputs("partition.parquet"),

@@ -1,0 +1,29 @@
+# Tables and figures across methods (mean +- std over seeds, FedKPer Table 1 shape).
+
+
+rule report:
+    input:
+        metrics=expand("{run}/metrics.json", run=run_dirs()),
+        per_round=expand("{run}/round_metrics.csv", run=run_dirs()),
+        figures=partition_outputs("heatmap.png"),
+    output:
+        table=report("results/{study}/report/table.md", caption="../report/table.rst", category="Results"),
+        html=report("results/{study}/report/table.html", caption="../report/table.rst", category="Results"),
+        summary="results/{study}/report/summary.csv",
+        metrics="results/{study}/report/summary.json",
+        curves=report("results/{study}/report/curves.png", caption="../report/curves.rst", category="Results"),
+    params:
+        runs=run_dirs(),
+        code=code_hash("report"),
+    log:
+        "logs/report/{study}.log",
+    conda:
+        "../envs/medpfl.yaml"
+    shell:
+        "medpfl report --runs {params.runs} --partition-figures {input.figures} "
+        "--out-dir $(dirname {output.table}) --title 'medpfl study {wildcards.study}' > {log} 2>&1"
+
+
+rule report_all:
+    input:
+        report_outputs(),

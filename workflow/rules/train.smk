@@ -1,0 +1,34 @@
+# One job per (dataset, partition, method, seed). The job description in params.job holds
+# every value the run uses, so Snakemake re-runs exactly the jobs whose values changed.
+
+
+rule train:
+    input:
+        arrays="data/processed/{dataset}.npz",
+        samples="data/processed/{dataset}.samples.parquet",
+        table="data/partitions/{dataset}/{partition}/partition.parquet",
+        parent=ancient("results/{study}/mlflow_parent.json"),
+    output:
+        records=RUN_DIR + "/records.parquet",
+        rounds=RUN_DIR + "/rounds.parquet",
+        model=RUN_DIR + "/final_model.pt",
+        job=RUN_DIR + "/job.json",
+    params:
+        job=train_json,
+        code=code_hash("fl", "algorithms", "models", "train.py"),
+    threads: TRAIN_THREADS
+    resources:
+        gpu=1 if HAS_GPU else 0,
+    log:
+        RUN_DIR + "/train.log",
+    conda:
+        "../envs/medpfl.yaml"
+    shell:
+        "medpfl train --job {params.job} --arrays {input.arrays} --samples {input.samples} "
+        "--partition-table {input.table} --parent {input.parent} --out-dir $(dirname {output.records}) "
+        "--threads {threads} > {log} 2>&1"
+
+
+rule train_all:
+    input:
+        expand("{run}/records.parquet", run=run_dirs()),
