@@ -52,11 +52,13 @@ def resolve_device(name: str) -> torch.device:
 
 
 def make_executor(kind: str, algo: Algorithm, data: FederatedData, train: TrainConfig, seed: int, eval_batch_size: int):
-    """``auto`` picks the stacked executor where the method supports it, else sequential."""
+    """``auto`` picks the stacked executor on CUDA where the method supports it, else the
+    sequential one (on a CPU the sequential executor is already compute-bound and the grouped
+    convolutions of the stacked one are slower: see ``benchmarks/README.md``)."""
     from medpfl.fl.executors import SequentialExecutor
 
     if kind == "auto":
-        kind = "stacked" if algo.stackable else "sequential"
+        kind = "stacked" if algo.stackable and data.device.type == "cuda" else "sequential"
     if kind == "stacked":
         if not algo.stackable:
             raise ValueError(f"train.executor=stacked: method {algo.name!r} cannot be stacked; use auto or sequential")

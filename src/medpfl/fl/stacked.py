@@ -1,0 +1,164 @@
+"""The stacked executor: all of a round's clients trained as one vectorised computation.
+
+Client parameters and momentum buffers are stacked along a leading client dimension ``m``;
+the algorithm's ``local_loss`` runs under ``torch.func.vmap`` over clients (convolutions with
+per-client weights become grouped convolutions, linear layers batched matmuls) and one
+``autograd.grad`` of the summed loss gives every client its own gradient (the clients'
+parameter slices are independent). Per-client batches are drawn by index from the uint8
+images resident on the device; the whole round's batch plan (identical to the sequential
+executor's, :func:`medpfl.fl.sampling.batch_plan`) is built before the first step, so there
+is no host synchronisation inside the local epochs.
+
+Clients with different data sizes are handled exactly: a client's partial last batch of an
+epoch carries per-sample weights ``1/b`` on its ``b`` real samples and 0 on padding, and a
+client that has run out of steps (fewer batches than the largest client) is masked out of
+the SGD update (parameters and momentum unchanged). The per-client arithmetic is therefore
+that of the sequential executor, up to float summation order.
+
+``context`` leaves that are the very tensors of ``received`` are shared by all clients
+(``in_dims=None``: e.g. FedKPer's teacher runs as one ordinary batched forward); leaves taken
+from the client states are per-client. Algorithms must return such leaves unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.func import vmap
+
+from medpfl.algorithms.base import Algorithm
+from medpfl.fl.executors import SequentialExecutor
+from medpfl.fl.functional import Params, sgd_step_
+from medpfl.fl.sampling import batch_plan
+
+
+def _leaves(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in _leaves(v)]
+    return [tree] if isinstance(tree, torch.Tensor) else []
+
+
+def _dims(tree: Any, batched_ids: set[int]) -> Any:
+    """in_dims for vmap: 0 for leaves that belong to the stacked client states, else None."""
+    if isinstance(tree, dict):
+        return {k: _dims(v, batched_ids) for k, v in tree.items()}
+    return 0 if id(tree) in batched_ids else None
+
+
+def _pad_ids(groups: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index sets -> (ids int64 [m, L] padded with each set's first id, valid bool [m, L])."""
+    lengths = torch.as_tensor([len(g) for g in groups], device=groups[0].device)
+    width = int(lengths.max())
+    ids = torch.stack([F.pad(g, (0, width - len(g)), value=int(g[0])) if len(g) < width else g for g in groups])
+    valid = torch.arange(width, device=ids.device).unsqueeze(0) < lengths.unsqueeze(1)
+    return ids, valid
+
+
+class StackedExecutor(SequentialExecutor):
+    """Vectorised over the round's clients; same results as :class:`SequentialExecutor`."""
+
+    name = "stacked"
+
+    def _shared_or_stacked(self, tree: Any, m: int, batched_ids: set[int]) -> Any:
+        """A per-client copy of a tree: stacked leaves are cloned, shared ones repeated m times."""
+        if isinstance(tree, dict):
+            return {k: self._shared_or_stacked(v, m, batched_ids) for k, v in tree.items()}
+        if id(tree) in batched_ids:
+            return tree.detach().clone()
+        return tree.detach().unsqueeze(0).expand(m, *tree.shape).clone()
+
+    @torch.no_grad()
+    def _sample_context(self, algo: Algorithm, ctx: dict, ctx_dims: dict, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        if not ctx:
+            return {}
+        fn = vmap(algo.sample_context, in_dims=(ctx_dims, 0))
+        parts: dict[str, list[torch.Tensor]] = {}
+        chunk = max(1, self.eval_batch_size // max(1, ids.shape[0]))
+        for s in range(0, ids.shape[1], chunk):
+            for k, v in fn(ctx, self.data.x(ids[:, s:s + chunk])).items():
+                parts.setdefault(k, []).append(v)
+        return {k: torch.cat(v, dim=1) for k, v in parts.items()}
+
+    def train_clients(self, algo: Algorithm, received: dict[str, Any], states: dict[str, Any], clients: np.ndarray,
+                      lr: float, round_idx: int) -> tuple[Params, dict[str, Any], dict[str, Any]]:
+        data, opt, bs, epochs = self.data, self.train.optimizer, self.train.batch_size, self.train.local_epochs
+        dev, m = data.device, len(clients)
+        groups = [data.client_train[int(c)] for c in clients]
+        ids, _ = _pad_ids(groups)  # [m, n_max]
+
+        # The round's batch plan for every client, padded to the longest client: [m, S, B].
+        plans = [batch_plan(len(g), bs, epochs, self.seed, round_idx, int(c)) for g, c in zip(groups, clients)]
+        steps = max(p.shape[0] for p in plans)
+        plan = torch.full((m, steps, bs), -1, dtype=torch.int64)
+        for j, p in enumerate(plans):
+            plan[j, : p.shape[0]] = p
+        plan = plan.to(dev)
+        valid = plan >= 0
+        nv = valid.sum(-1, keepdim=True)
+        weights = valid.to(torch.float32) / nv.clamp(min=1)
+        active = (nv.squeeze(-1) > 0).to(torch.float32)  # [m, S]
+        pos = plan.clamp(min=0)
+        sample_ids = torch.gather(ids.unsqueeze(1).expand(m, steps, ids.shape[1]), 2, pos)  # [m, S, B]
+
+        batched_ids = {id(t) for t in _leaves(states)}
+        params = self._shared_or_stacked(algo.start_params(received, states), m, batched_ids)
+        ctx = algo.context(received, states)
+        ctx_dims = _dims(ctx, batched_ids)
+        sctx = self._sample_context(algo, ctx, ctx_dims, ids)
+        buf = {k: torch.zeros_like(v) for k, v in params.items()}
+        names = list(params)
+        for v in params.values():
+            v.requires_grad_(True)
+        loss_fn = vmap(algo.local_loss, in_dims=(0, ctx_dims, 0))
+        clip = algo.max_grad_norm()
+        labels = data.labels
+        for s in range(steps):
+            sid = sample_ids[:, s]
+            batch = {"x": data.x(sid), "y": labels[sid], "w": weights[:, s]}
+            for k, v in sctx.items():
+                batch[k] = torch.gather(v, 1, pos[:, s].view(m, bs, *([1] * (v.dim() - 2))).expand(m, bs, *v.shape[2:]))
+            loss = loss_fn(params, ctx, batch).sum()
+            g = dict(zip(names, torch.autograd.grad(loss, [params[k] for k in names])))
+            if clip is not None:
+                norm = torch.sqrt(sum(torch.sum(t.float().reshape(m, -1) ** 2, dim=1) for t in g.values()))
+                coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
+                g = {k: t * coef.view(-1, *([1] * (t.dim() - 1))) for k, t in g.items()}
+            sgd_step_(params, g, buf, lr, opt.momentum, opt.weight_decay, active=active[:, s])
+        params = {k: v.detach() for k, v in params.items()}
+
+        info = {"num_samples": torch.as_tensor([float(len(g)) for g in groups], device=dev),
+                "label_hist": data.train_hist[torch.as_tensor(clients, device=dev)]}
+        if algo.needs_train_accuracy:
+            correct, count, _ = self.evaluate_models(algo, params, groups)
+            info["train_accuracy"] = (correct.sum(1) / count.sum(1)).to(torch.float32)
+        uploads, new_states = vmap(algo.client_update)(params, states, info)
+        return params, uploads, new_states
+
+    @torch.no_grad()
+    def evaluate_models(self, algo: Algorithm, params: Params, groups: list[torch.Tensor]
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Model j on ``groups[j]``, all models at once. Returns ``(correct [m, C], count [m, C],
+        loss_sum [m])`` (float64)."""
+        data, c = self.data, self.data.num_classes
+        m = len(groups)
+        ids, valid = _pad_ids(groups)
+        fwd = vmap(algo.forward)
+        correct = torch.zeros(m, c, dtype=torch.float64, device=data.device)
+        count = torch.zeros_like(correct)
+        loss = torch.zeros(m, dtype=torch.float64, device=data.device)
+        chunk = max(1, self.eval_batch_size // m)
+        rows = torch.arange(m, device=data.device).unsqueeze(1)
+        for s in range(0, ids.shape[1], chunk):
+            b, ok = ids[:, s:s + chunk], valid[:, s:s + chunk].to(torch.float64)
+            y = data.labels[b]
+            logits = fwd(params, data.x(b))
+            hit = (logits.argmax(-1) == y).to(torch.float64) * ok
+            key = (rows * c + y).reshape(-1)
+            count.view(-1).index_add_(0, key, ok.reshape(-1))
+            correct.view(-1).index_add_(0, key, hit.reshape(-1))
+            ce = F.cross_entropy(logits.reshape(-1, c).float(), y.reshape(-1), reduction="none").view_as(ok)
+            loss += (ce.to(torch.float64) * ok).sum(1)
+        return correct, count, loss
