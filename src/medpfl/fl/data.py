@@ -54,8 +54,8 @@ class FederatedData:
         train, test = [], []
         for cid in range(k):
             rows = partition[partition["client_id"] == cid]
-            train.append(torch.as_tensor(rows.loc[rows["local_split"] == "train", "sample_id"].to_numpy(), device=device))
-            test.append(torch.as_tensor(rows.loc[rows["local_split"] == "test", "sample_id"].to_numpy(), device=device))
+            train.append(torch.tensor(rows.loc[rows["local_split"] == "train", "sample_id"].to_numpy(), device=device))
+            test.append(torch.tensor(rows.loc[rows["local_split"] == "test", "sample_id"].to_numpy(), device=device))
         hist = np.stack([np.bincount(data.labels[t.cpu().numpy()], minlength=data.num_classes) for t in train])
         return cls(
             images=torch.as_tensor(data.images, device=device),

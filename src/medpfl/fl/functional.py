@@ -71,7 +71,7 @@ def sgd_step_(params: Params, grads: Params, momentum_buf: Params, lr: float, mo
             a = active.view(-1, *([1] * (p.dim() - 1)))
             keep = (1.0 - a) + a * momentum  # 1 for padded steps, momentum for active ones
             b.mul_(keep).add_(d * a)
-            p.sub_(b * (a * lr))
+            p.add_(b * a, alpha=-lr)
 
 
 def payload_nbytes(obj: Any) -> int:

@@ -1,0 +1,86 @@
+"""Shared fixtures: a throw-away MLflow store per test, and small synthetic federated data."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault("DISABLE_PANDERA_IMPORT_WARNING", "True")
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_BLOOD = REPO.parent / "shared" / "data" / "medmnist" / "bloodmnist.npz"
+
+
+@pytest.fixture(autouse=True)
+def _isolated_tracking(tmp_path, monkeypatch):
+    """Never write mlflow.db/mlruns.db into the repository from a test."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlruns.db")
+    yield
+    try:
+        import mlflow
+
+        mlflow.end_run()
+        mlflow.set_tracking_uri(None)
+    except Exception:
+        pass
+
+
+@pytest.fixture(scope="session")
+def synthetic_processed(tmp_path_factory):
+    """A preprocessed synthetic data set (4 classes, 3 channels, 28 px, 400 train images)."""
+    from medpfl.data.preprocess import load_processed, preprocess
+    from medpfl.data.synthetic import write_synthetic_npz
+
+    d = tmp_path_factory.mktemp("synth")
+    write_synthetic_npz(d / "synth.npz", num_classes=4, n_channels=3, size=28, counts=(400, 40, 120), seed=0)
+    preprocess(d / "synth.npz", d / "arrays.npz", d / "samples.parquet", 4, 3)
+    return load_processed(d / "arrays.npz", d / "samples.parquet")
+
+
+def make_fed_data(processed, num_clients=5, alpha=0.5, seed=1, min_samples=20):
+    from medpfl.config import PartitionConfig
+    from medpfl.data.partition import build_partition
+    from medpfl.fl.data import FederatedData
+
+    pool = processed.samples[processed.samples["split"] == "train"]
+    cfg = PartitionConfig(num_clients=num_clients, alpha=alpha, seed=seed, min_samples=min_samples)
+    table = build_partition(pool["sample_id"].to_numpy(), pool["label"].to_numpy(), cfg, "t")
+    return FederatedData.build(processed, table, torch.device("cpu"))
+
+
+@pytest.fixture(scope="session")
+def fed_data(synthetic_processed):
+    """5 clients, Dirichlet(0.5), on the synthetic set, on the CPU."""
+    return make_fed_data(synthetic_processed)
+
+
+def make_algo(name, num_classes=4, **overrides):
+    from medpfl.algorithms import resolve_method
+    from medpfl.fl.functional import make_forward
+    from medpfl.models import build_model
+
+    cls, cfg = resolve_method(name, {name: overrides} if overrides else {})
+    return cls(cfg, make_forward(build_model("cnn4", 3, num_classes, 28).to("meta")), num_classes)
+
+
+def initial_params(num_classes=4, seed=0):
+    from medpfl.models import build_model
+
+    torch.manual_seed(seed)
+    return {k: v.detach().clone() for k, v in build_model("cnn4", 3, num_classes, 28).named_parameters()}
+
+
+def assert_trees_close(a, b, atol, rtol=0.0):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_trees_close(a[k], b[k], atol, rtol)
+    else:
+        torch.testing.assert_close(a, b, atol=atol, rtol=rtol)
+
+
+np.set_printoptions(precision=4, suppress=True)

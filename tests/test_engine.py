@@ -1,0 +1,191 @@
+"""The engine and executors: schedules, batch order, SGD, determinism, stacked == sequential,
+checkpoint resume, communication accounting."""
+
+import numpy as np
+import pytest
+import torch
+
+from medpfl.config import EvalConfig, TrainConfig
+from medpfl.fl.engine import Engine
+from medpfl.fl.executors import SequentialExecutor
+from medpfl.fl.functional import sgd_step_
+from medpfl.fl.sampling import batch_plan, client_schedule
+from medpfl.fl.stacked import StackedExecutor
+from medpfl.fl.tree import tree_repeat
+from tests.conftest import assert_trees_close, initial_params, make_algo
+
+PARAM_BYTES = 4 * sum(v.numel() for v in initial_params().values())
+
+
+def test_round_seeded_schedule_matches_fedkper_code():
+    # protocol Section 3: BloodMNIST, K=20, 10 %: rounds 0-9
+    expected = [{1, 18}, {3, 16}, {4, 12}, {2, 14}, {3, 19}, {2, 5}, {7, 17}, {1, 17}, {7, 11}, {3, 6}]
+    s = client_schedule(20, 0.1, 10, "round_seeded")
+    assert [set(r) for r in s.tolist()] == expected
+    # the same for every seed
+    np.testing.assert_array_equal(s, client_schedule(20, 0.1, 10, "round_seeded", seed=7))
+
+
+def test_stream_schedule_is_seeded_and_distinct_within_round():
+    a = client_schedule(50, 0.2, 30, "stream", seed=1)
+    assert a.shape == (30, 10)
+    assert all(len(set(r)) == 10 for r in a.tolist())
+    np.testing.assert_array_equal(a, client_schedule(50, 0.2, 30, "stream", seed=1))
+    assert not np.array_equal(a, client_schedule(50, 0.2, 30, "stream", seed=2))
+    assert client_schedule(7, 0.01, 3).shape == (3, 1)  # at least one client
+
+
+def test_batch_plan_covers_every_sample_once_per_epoch():
+    plan = batch_plan(27, 10, 3, seed=1, round_idx=4, client=2)
+    assert plan.shape == (9, 10)
+    for e in range(3):
+        ep = plan[3 * e: 3 * e + 3].reshape(-1)
+        assert sorted(ep[ep >= 0].tolist()) == list(range(27))
+        assert (ep[27:] == -1).all() and (ep[:27] >= 0).all()
+    assert torch.equal(plan, batch_plan(27, 10, 3, 1, 4, 2))
+    assert not torch.equal(plan, batch_plan(27, 10, 3, 1, 5, 2))
+    assert not torch.equal(plan[:3], plan[3:6])  # a fresh permutation each epoch
+
+
+def test_sgd_step_matches_torch_sgd_and_mask_freezes():
+    torch.manual_seed(0)
+    w = torch.randn(5, 3)
+    ref = w.clone().requires_grad_()
+    opt = torch.optim.SGD([ref], lr=0.1, momentum=0.9, weight_decay=0.01)
+    p, buf = {"w": w.clone()}, {"w": torch.zeros_like(w)}
+    for _ in range(4):
+        g = torch.randn(5, 3)
+        opt.zero_grad()
+        ref.grad = g.clone()
+        opt.step()
+        sgd_step_(p, {"w": g.clone()}, buf, 0.1, 0.9, 0.01)
+    torch.testing.assert_close(p["w"], ref.detach(), atol=1e-6, rtol=1e-6)
+    # stacked: client 1 inactive -> unchanged; client 0 identical to the unmasked update
+    P = {"w": torch.stack([w, w])}
+    B = {"w": torch.zeros(2, 5, 3)}
+    g = torch.randn(5, 3)
+    sgd_step_(P, {"w": torch.stack([g, g])}, B, 0.1, 0.9, 0.01, active=torch.tensor([1.0, 0.0]))
+    q, qb = {"w": w.clone()}, {"w": torch.zeros(5, 3)}
+    sgd_step_(q, {"w": g.clone()}, qb, 0.1, 0.9, 0.01)
+    assert torch.equal(P["w"][0], q["w"]) and torch.equal(P["w"][1], w) and torch.all(B["w"][1] == 0)
+
+
+def _run(fed_data, method, executor, rounds=3, participation=0.6, epochs=1, checkpoint=None, callbacks=(),
+         every=1, **overrides):
+    algo = make_algo(method, **overrides)
+    train = TrainConfig(rounds=rounds, participation=participation, local_epochs=epochs, batch_size=16,
+                        checkpoint_every=1)
+    eng = Engine(algo, fed_data, train, EvalConfig(every=every), seed=1, executor_kind=executor,
+                 checkpoint=checkpoint, callbacks=list(callbacks), fingerprint="test")
+    return eng.run()
+
+
+def _metrics(res):
+    return res.records.drop(columns=["loss"]).reset_index(drop=True)
+
+
+def test_same_run_twice_gives_identical_metrics(fed_data):
+    a = _run(fed_data, "fedkper", "sequential")
+    b = _run(fed_data, "fedkper", "sequential")
+    assert a.records.equals(b.records)
+    assert a.rounds.drop(columns=["train_seconds", "eval_seconds", "round_seconds"]).equals(
+        b.rounds.drop(columns=["train_seconds", "eval_seconds", "round_seconds"]))
+    assert_trees_close(a.global_params, b.global_params, atol=0)
+
+
+@pytest.mark.parametrize("method,overrides", [
+    ("fedavg", {}),
+    ("fedprox", {}),
+    ("fedkper", {}),                       # paper default: gradient clipping at 5
+    ("fedkper", {"clip_grad_norm": 0.05}),  # clipping active on every step
+    ("local", {}),
+])
+def test_stacked_equals_sequential(fed_data, method, overrides):
+    """Same seed: identical schedule and batches; metrics and parameters equal within float
+    tolerance (1e-5 absolute on parameters after 3 rounds; accuracies identical)."""
+    seq = _run(fed_data, method, "sequential", **overrides)
+    stk = _run(fed_data, method, "stacked", **overrides)
+    pd_ = pytest.importorskip("pandas")
+    pd_.testing.assert_frame_equal(_metrics(seq), _metrics(stk))
+    np.testing.assert_allclose(seq.records["loss"], stk.records["loss"], atol=1e-5)
+    assert seq.rounds["sampled_clients"].tolist() == stk.rounds["sampled_clients"].tolist()
+    assert seq.rounds["bytes_up"].tolist() == stk.rounds["bytes_up"].tolist()
+    assert_trees_close(seq.global_params, stk.global_params, atol=1e-5)
+    assert_trees_close(seq.client_states, stk.client_states, atol=1e-5)
+
+
+def test_stacked_handles_unequal_client_sizes_exactly(fed_data):
+    """Clients with different numbers of batches: the short ones are masked after their last step."""
+    sizes = [len(t) for t in fed_data.client_train]
+    assert len(set(-(-n // 16) for n in sizes)) > 1, "fixture should have clients with different step counts"
+    algo = make_algo("fedavg")
+    train = TrainConfig(local_epochs=2, batch_size=16)
+    clients = np.arange(fed_data.num_clients)
+    g = initial_params()
+    states = tree_repeat({}, len(clients))
+    a = SequentialExecutor(fed_data, train, 1, 256).train_clients(algo, {"params": g}, states, clients, 0.01, 0)
+    b = StackedExecutor(fed_data, train, 1, 256).train_clients(algo, {"params": g}, states, clients, 0.01, 0)
+    assert_trees_close(a[0], b[0], atol=1e-5)
+    np.testing.assert_array_equal(b[1]["num_samples"].numpy(), np.array(sizes, dtype=np.float32))
+
+
+def test_fedkper_and_local_do_not_degenerate_to_fedavg(fed_data):
+    avg = _run(fed_data, "fedavg", "sequential")
+    kper = _run(fed_data, "fedkper", "sequential")
+    loc = _run(fed_data, "local", "sequential")
+    assert not torch.allclose(avg.global_params["fc.weight"], kper.global_params["fc.weight"])
+    # Local never communicates and has no global model
+    assert (loc.rounds["bytes_up"] == 0).all() and (loc.rounds["bytes_down"] == 0).all()
+    assert not (loc.records["view"] == "global_test").any()
+    assert (loc.records["view"] == "personalized_on_local").any()
+    assert (loc.records["view"] == "local_on_global_test").sum() == fed_data.num_clients
+    # each Local client keeps its own model
+    p = loc.client_states["params"]["fc.weight"]
+    assert not torch.allclose(p[0], p[1])
+
+
+def test_fedkper_knobs_off_is_fedavg(fed_data):
+    avg = _run(fed_data, "fedavg", "sequential")
+    off = _run(fed_data, "fedkper", "sequential", use_kd=False, use_score_aggregation=False, clip_grad_norm=None)
+    assert_trees_close(avg.global_params, off.global_params, atol=1e-6)
+
+
+def test_communication_bytes(fed_data):
+    res = _run(fed_data, "fedavg", "sequential")
+    m = 3  # int(5 * 0.6)
+    assert (res.rounds["bytes_down"] == m * PARAM_BYTES).all()
+    assert (res.rounds["bytes_up"] == m * (PARAM_BYTES + 4)).all()  # + float32 sample count
+    kper = _run(fed_data, "fedkper", "sequential")
+    assert (kper.rounds["bytes_up"] == m * (PARAM_BYTES + 8)).all()  # + sample count + score
+
+
+def test_evaluation_views_and_eval_every(fed_data):
+    res = _run(fed_data, "fedavg", "sequential", rounds=4, every=2)
+    r = res.records
+    assert sorted(r.loc[r["view"] == "global_test", "round"].tolist()) == [1, 3]
+    assert (r.loc[r["view"] == "global_on_local"].groupby("round").size() == fed_data.num_clients).all()
+    assert sorted(r.loc[r["view"] == "local_after_training", "round"].unique().tolist()) == [0, 1, 2, 3]
+    n_test = [len(t) for t in fed_data.client_test]
+    gl = r[(r["view"] == "global_on_local") & (r["round"] == 3)].sort_values("client_id")
+    assert gl["n_samples"].tolist() == n_test
+
+
+class _Kill(Exception):
+    pass
+
+
+def test_resume_from_checkpoint_equals_uninterrupted_run(fed_data, tmp_path):
+    full = _run(fed_data, "fedkper", "sequential", rounds=4)
+    ckpt = tmp_path / "checkpoint.pt"
+
+    def die(r, row, recs):
+        if r == 2:
+            raise _Kill()
+
+    with pytest.raises(_Kill):
+        _run(fed_data, "fedkper", "sequential", rounds=4, checkpoint=ckpt, callbacks=[die])
+    assert ckpt.exists()
+    resumed = _run(fed_data, "fedkper", "sequential", rounds=4, checkpoint=ckpt)
+    assert resumed.resumed_from == 2
+    assert _metrics(full).equals(_metrics(resumed))
+    assert_trees_close(full.global_params, resumed.global_params, atol=0)
