@@ -111,6 +111,18 @@ def cmd_check_params(a) -> None:
           f"{len(p.methods)} methods x {len(p.seeds)} seeds)")
 
 
+def cmd_doctor(a) -> int:
+    from medpfl.doctor import doctor
+
+    return doctor(Path(a.params), a.overlay, pipeline=not a.no_pipeline)
+
+
+def cmd_sync(a) -> int:
+    from medpfl.doctor import sync
+
+    return sync(a.overlay)
+
+
 def cmd_synthetic(a) -> None:
     from medpfl.data.synthetic import write_synthetic_npz
 
@@ -178,6 +190,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--overlay", action="append", default=[])
     s.set_defaults(fn=cmd_check_params)
 
+    s = sub.add_parser("doctor", help="check params, data MD5s, MLflow, GPU, DVC and Snakemake state")
+    s.add_argument("params", nargs="?", default="params.yaml")
+    s.add_argument("--overlay", action="append", default=[])
+    s.add_argument("--no-pipeline", action="store_true", help="skip the dvc status / snakemake dry-run checks")
+    s.set_defaults(fn=cmd_doctor)
+
+    s = sub.add_parser("sync", help="after git checkout: dvc checkout, then snakemake --touch")
+    s.add_argument("--overlay", action="append", default=[])
+    s.set_defaults(fn=cmd_sync)
+
     s = sub.add_parser("synthetic", help="write a small synthetic data set in the official MedMNIST .npz layout")
     s.add_argument("--out", required=True)
     s.add_argument("--num-classes", type=int, default=4)
@@ -207,11 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        args.fn(args)
+        status = args.fn(args)
     except known_errors() as e:
         print(f"medpfl {args.command}: error: {e}", file=sys.stderr)
         return 2
-    return 0
+    return int(status or 0)
 
 
 if __name__ == "__main__":

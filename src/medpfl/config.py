@@ -58,22 +58,27 @@ class PartitionConfig(_Strict):
 
     scheme: Literal["dirichlet", "iid", "pathological"] = "dirichlet"
     num_clients: int = Field(20, ge=1)
-    alpha: float | None = Field(0.1, description="Dirichlet concentration; > 0")
+    alpha: float | None = Field(0.1, description="Dirichlet concentration; > 0", validate_default=True)
     self_balancing: bool = True
     min_samples: int = Field(10, ge=1)
     max_draws: int = Field(1000, ge=1)
-    classes_per_client: int | None = Field(None, ge=1)
+    classes_per_client: int | None = Field(None, ge=1, validate_default=True)
     seed: int = 1
     local_test: LocalTestConfig = LocalTestConfig()
 
-    @model_validator(mode="after")
-    def _check_scheme(self) -> "PartitionConfig":
-        if self.scheme == "dirichlet":
-            if self.alpha is None or not self.alpha > 0:
-                raise ValueError(f"alpha must be > 0 for the dirichlet scheme, got {self.alpha}")
-        if self.scheme == "pathological" and self.classes_per_client is None:
-            raise ValueError("classes_per_client is required for the pathological scheme")
-        return self
+    @field_validator("alpha")
+    @classmethod
+    def _alpha(cls, v: float | None, info) -> float | None:
+        if info.data.get("scheme", "dirichlet") == "dirichlet" and (v is None or not v > 0):
+            raise ValueError(f"must be > 0 for the dirichlet scheme, got {v}")
+        return v
+
+    @field_validator("classes_per_client")
+    @classmethod
+    def _cpc(cls, v: int | None, info) -> int | None:
+        if info.data.get("scheme") == "pathological" and v is None:
+            raise ValueError("is required for the pathological scheme")
+        return v
 
 
 class OptimizerConfig(_Strict):
@@ -173,6 +178,25 @@ class Params(_Strict):
     eval: EvalConfig = EvalConfig()
     mlflow: MlflowConfig = MlflowConfig()
 
+    @field_validator("partitions", mode="before")
+    @classmethod
+    def _partition_list(cls, v: Any) -> Any:
+        """``partitions`` is a list of ``{name: ..., <partition keys>}`` (canonical: an overlay's
+        list replaces the base list, as Snakemake ``--configfile`` merges mappings but replaces
+        lists) or a mapping ``{name: {...}}``."""
+        if isinstance(v, list):
+            out: dict[str, Any] = {}
+            for i, item in enumerate(v):
+                if not isinstance(item, dict) or "name" not in item:
+                    raise ValueError(f"entry {i} needs a 'name' key")
+                item = dict(item)
+                name = str(item.pop("name"))
+                if name in out:
+                    raise ValueError(f"duplicate partition name {name!r}")
+                out[name] = item
+            return out
+        return v
+
     @field_validator("partitions")
     @classmethod
     def _partition_names(cls, v: dict[str, PartitionConfig]) -> dict[str, PartitionConfig]:
@@ -221,7 +245,7 @@ def format_validation_error(err: ValidationError, source: str) -> str:
     lines = [f"{source}: invalid parameters"]
     for e in err.errors():
         loc = _fmt_loc(e["loc"])
-        msg = e["msg"]
+        msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key (check the spelling; see params.yaml for the allowed keys)"
         lines.append(f"  - {loc}: {msg}")

@@ -18,6 +18,15 @@ from typing import Any, Iterator
 import numpy as np
 
 
+TMP_PREFIX = ".medpfl-tmp-"
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | Path, suffix: str | None = None) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; rename it onto ``path`` only if the block succeeds.
@@ -28,15 +37,16 @@ def atomic_path(path: str | Path, suffix: str | None = None) -> Iterator[Path]:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=(suffix or path.suffix) + ".tmp", dir=path.parent)
+    # Hidden, recognisable name (TMP_PREFIX; ignored by DVC, never a Snakemake output); the
+    # real suffix stays last for writers that append or check extensions.
+    fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{path.stem}-", suffix=suffix or path.suffix, dir=path.parent)
     os.close(fd)
-    # Keep the real suffix last for writers that append or check extensions.
-    tmp_path = Path(tmp[: -len(".tmp")])
-    os.replace(tmp, tmp_path)
+    tmp_path = Path(tmp)
     try:
         yield tmp_path
         with open(tmp_path, "rb+") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp_path, 0o666 & ~_umask())  # mkstemp creates 0600; give the usual permissions
         os.replace(tmp_path, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import subprocess
 import time
 from pathlib import Path
@@ -25,6 +26,20 @@ os.environ.setdefault("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")
 
 class TrackingError(RuntimeError):
     """The MLflow store cannot be reached or written; the message names the URI."""
+
+
+def retry(fn, *args, attempts: int = 8, base_delay: float = 0.2, **kwargs):
+    """Call ``fn`` and retry on errors with exponential back-off and jitter: several training
+    jobs writing to one SQLite store can meet "database is locked"."""
+    for i in range(attempts):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # MlflowException, sqlalchemy OperationalError, connection errors
+            if i == attempts - 1:
+                raise TrackingError(f"MLflow call {getattr(fn, '__name__', fn)} failed {attempts} times: {e}") from e
+            delay = base_delay * 2**i * (0.5 + random.random())
+            log.warning("MLflow call failed (%s); retrying in %.1fs", e, delay)
+            time.sleep(delay)
 
 
 def default_tracking_uri(root: Path | None = None) -> str:
@@ -137,13 +152,13 @@ class RunLogger:
                 run_id = None
         if run_id is None:
             all_tags = {"mlflow.parentRunId": parent["parent_run_id"], "mlflow.runName": run_name, **tags}
-            run = self.client.create_run(parent["experiment_id"], run_name=run_name, tags=all_tags)
+            run = retry(self.client.create_run, parent["experiment_id"], run_name=run_name, tags=all_tags)
             run_id = run.info.run_id
             write_json(self.run_file, {"run_id": run_id, "experiment_id": parent["experiment_id"],
                                        "parent_run_id": parent["parent_run_id"], "tracking_uri": self.uri})
             self.resumed = False
         else:
-            self.client.update_run(run_id, status="RUNNING")
+            retry(self.client.update_run, run_id, status="RUNNING")
             self.resumed = True
         self.run_id = run_id
 
@@ -154,7 +169,7 @@ class RunLogger:
         flat = {k: str(v)[:6000] for k, v in flatten(params).items() if k not in existing}
         items = list(flat.items())
         for i in range(0, len(items), 100):
-            self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in items[i:i + 100]])
+            retry(self.client.log_batch, self.run_id, params=[Param(k, v) for k, v in items[i:i + 100]])
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         from mlflow.entities import Metric
@@ -163,16 +178,16 @@ class RunLogger:
         ms = [Metric(k, float(v), ts, step if step is not None else 0) for k, v in metrics.items()
               if v is not None and v == v]
         for i in range(0, len(ms), 500):
-            self.client.log_batch(self.run_id, metrics=ms[i:i + 500])
+            retry(self.client.log_batch, self.run_id, metrics=ms[i:i + 500])
 
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
-        self.client.log_artifact(self.run_id, str(path), artifact_path)
+        retry(self.client.log_artifact, self.run_id, str(path), artifact_path)
 
     def log_dict(self, obj: dict, name: str) -> None:
-        self.client.log_dict(self.run_id, obj, name)
+        retry(self.client.log_dict, self.run_id, obj, name)
 
     def finish(self, status: str = "FINISHED") -> None:
-        self.client.set_terminated(self.run_id, status)
+        retry(self.client.set_terminated, self.run_id, status)
 
     @classmethod
     def reopen(cls, run_file: Path) -> "RunLogger":

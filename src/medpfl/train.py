@@ -87,6 +87,13 @@ def run_training(job: dict, arrays: Path, samples: Path, partition_table: Path, 
         logger.log_params(job)
         callbacks.append(lambda r, row, recs: logger.log_metrics(round_scalars(recs, row), step=r))
 
+    def progress(r, row, recs):
+        sc = round_scalars(recs, row)
+        shown = " ".join(f"{k}={sc[k]:.3f}" for k in ("global_test_acc", "local_bal_acc_mean", "personalized_acc_mean")
+                         if k in sc)
+        log.info("round %d/%d %s (%.1fs)", r + 1, train.rounds, shown, row["round_seconds"])
+
+    callbacks.append(progress)
     ckpt = out_dir / "checkpoint.pt"
     fp = fingerprint({"job": job, "partition": md5sum(partition_table), "arrays": md5sum(arrays)})
     engine = Engine(algo, fdata, train, evalc, job["seed"], train.executor, checkpoint=ckpt, callbacks=callbacks,

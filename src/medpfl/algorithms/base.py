@@ -46,6 +46,9 @@ class Algorithm:
     needs_train_accuracy: ClassVar[bool] = False
     #: local objective and client update can run under vmap (stacked executor)
     stackable: ClassVar[bool] = True
+    #: what crosses from a client to the server: "params" (a model-shaped parameter dict) and
+    #: named per-client scalars. The engine rejects any other upload (the privacy boundary).
+    upload_keys: ClassVar[tuple[str, ...]] = ("params", "num_samples")
 
     def __init__(self, cfg: MethodConfig, forward: Callable[[Params, torch.Tensor], torch.Tensor], num_classes: int):
         self.cfg = cfg

@@ -86,6 +86,7 @@ def adaptive_kd_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, y: torc
 class FedKPer(Algorithm):
     name = "fedkper"
     Config = FedKPerConfig
+    upload_keys = ("params", "num_samples", "score")
     paper = "Fowler & AlRegib, FedKPer, ICIP 2026"
     needs_train_accuracy = True
 

@@ -24,6 +24,7 @@ class LocalConfig(MethodConfig):
 class Local(Algorithm):
     name = "local"
     Config = LocalConfig
+    upload_keys = ()
     paper = "no-communication baseline (each client trains alone)"
     has_global_model = False
     personalized = True

@@ -55,16 +55,23 @@ class DirichletPartitioner:
         classes = np.unique(labels)
         for _ in range(self.max_draws):
             batches: list[list[int]] = [[] for _ in range(k)]
+            degenerate = False
             for c in classes:
                 idx_c = np.where(labels == c)[0]
                 rng.shuffle(idx_c)
                 p = rng.dirichlet(np.repeat(self.alpha, k))
                 if self.self_balancing:
                     p = np.array([pj * (len(b) < n / k) for pj, b in zip(p, batches)])
-                p = p / p.sum()
+                total = p.sum()
+                if not np.isfinite(total) or total <= 0:
+                    # a tiny alpha can underflow to NaN, or put all mass on capped clients:
+                    # count the draw as failed instead of handing the class to the last client
+                    degenerate = True
+                    break
+                p = p / total
                 cuts = (np.cumsum(p) * len(idx_c)).astype(int)[:-1]
                 batches = [b + part.tolist() for b, part in zip(batches, np.split(idx_c, cuts))]
-            if min(len(b) for b in batches) >= self.min_samples:
+            if not degenerate and min(len(b) for b in batches) >= self.min_samples:
                 break
         else:
             raise PartitionError(
@@ -111,6 +118,9 @@ class PathologicalPartitioner:
         k, cpc = self.num_clients, self.classes_per_client
         if cpc > len(classes):
             raise PartitionError(f"{self.key}.classes_per_client={cpc} exceeds the {len(classes)} classes in the data")
+        if k * cpc < len(classes):
+            raise PartitionError(f"{self.key}: num_clients x classes_per_client = {k * cpc} client slots cannot hold all "
+                                 f"{len(classes)} classes; raise {self.key}.num_clients or {self.key}.classes_per_client")
         _check_size(len(labels), k, self.min_samples, self.key)
         order = rng.permutation(classes)
         holders: dict[int, list[int]] = {int(c): [] for c in classes}
@@ -122,8 +132,6 @@ class PathologicalPartitioner:
             idx_c = np.where(labels == c)[0]
             rng.shuffle(idx_c)
             owners = holders[int(c)]
-            if not owners:
-                continue  # fewer client slots than classes: this class is unused
             for owner, chunk in zip(owners, np.array_split(idx_c, len(owners))):
                 parts[owner].extend(chunk.tolist())
         out = [np.array(p, dtype=np.int64) for p in parts]

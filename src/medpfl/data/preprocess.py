@@ -33,9 +33,16 @@ def load_official_npz(path: str | Path, num_classes: int, n_channels: int) -> di
     path = Path(path)
     try:
         npz = np.load(path, allow_pickle=False)
-        keys = set(npz.files)
     except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
         raise DataError(f"{path}: not a readable .npz file ({e}); delete it and re-run the download stage") from None
+    if not isinstance(npz, np.lib.npyio.NpzFile):
+        raise DataError(f"{path}: a single .npy array, not an .npz archive; expected the official MedMNIST layout")
+    with npz:
+        return _read_splits(npz, path, num_classes, n_channels)
+
+
+def _read_splits(npz, path: Path, num_classes: int, n_channels: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    keys = set(npz.files)
     out = {}
     for split in SPLIT_ORDER:
         ik, lk = f"{split}_images", f"{split}_labels"

@@ -61,7 +61,7 @@ class FederatedData:
             images=torch.as_tensor(data.images, device=device),
             labels=torch.as_tensor(data.labels, device=device),
             num_classes=data.num_classes,
-            global_test=torch.as_tensor(data.split_ids("test"), device=device),
+            global_test=torch.tensor(data.split_ids("test"), device=device),
             client_train=train,
             client_test=test,
             train_hist=torch.as_tensor(hist, dtype=torch.float32, device=device),

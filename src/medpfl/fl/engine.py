@@ -68,6 +68,32 @@ def make_executor(kind: str, algo: Algorithm, data: FederatedData, train: TrainC
     return SequentialExecutor(data, train, seed, eval_batch_size)
 
 
+class PrivacyError(RuntimeError):
+    """A client tried to send the server something other than what its method declares."""
+
+
+def check_upload(algo: Algorithm, uploads: dict[str, Any], param_shapes: dict[str, torch.Size], m: int) -> None:
+    """The privacy boundary: the stacked uploads of m clients may hold only the method's
+    declared keys; ``params`` must be model-shaped ([m, *shape] per parameter) and every other
+    key one scalar per client ([m]). Raw images, labels or any per-sample tensor cannot pass.
+
+    Raises PrivacyError naming the method and the offending key.
+    """
+    if set(uploads) != set(algo.upload_keys):
+        raise PrivacyError(f"method {algo.name!r} uploaded keys {sorted(uploads)}, declared {sorted(algo.upload_keys)}")
+    for key, value in uploads.items():
+        if key == "params":
+            if not isinstance(value, dict) or set(value) != set(param_shapes):
+                raise PrivacyError(f"method {algo.name!r}: upload 'params' is not the model's parameter dict")
+            for name, t in value.items():
+                if not isinstance(t, torch.Tensor) or tuple(t.shape) != (m, *param_shapes[name]):
+                    raise PrivacyError(f"method {algo.name!r}: upload params[{name!r}] has shape "
+                                       f"{tuple(getattr(t, 'shape', ()))}, expected {(m, *param_shapes[name])}")
+        elif not isinstance(value, torch.Tensor) or tuple(value.shape) != (m,):
+            raise PrivacyError(f"method {algo.name!r}: upload {key!r} must be one scalar per client (shape ({m},)), "
+                               f"got {type(value).__name__} {tuple(getattr(value, 'shape', ()))}")
+
+
 @dataclass
 class RunResult:
     records: pd.DataFrame
@@ -128,6 +154,7 @@ class Engine:
             global_params, client_states, records, rounds, start = state
             log.info("resuming from checkpoint %s at round %d", self.checkpoint, start)
         opt = self.train.optimizer
+        param_shapes = {k: v.shape for k, v in global_params.items()}
         for r in range(start, self.train.rounds):
             self._sync()
             t0 = time.perf_counter()
@@ -141,6 +168,7 @@ class Engine:
             new_records = records_from_counts(r, "local_after_training", clients.tolist(),
                                               *ex.evaluate_models(algo, trained, [data.client_test[c] for c in clients]))
             client_states = tree_scatter(client_states, cidx, new_states)
+            check_upload(algo, uploads, param_shapes, len(clients))
             if algo.has_global_model:
                 global_params = algo.aggregate(global_params, uploads)
             if self._is_eval_round(r):

@@ -1,0 +1,146 @@
+"""``medpfl doctor``: check a setup before spending GPU hours; ``medpfl sync``: re-align
+Snakemake with DVC after switching versions.
+
+Checks: the params file validates; each data set's raw file is present with the official MD5
+(or a mirror has it, or the network will be needed); the MLflow store answers; a GPU is
+visible (informational); DVC's stages are up to date and Snakemake has nothing to do. Each
+check prints ``ok``, ``warn`` or ``FAIL`` with what to do; the exit status is 1 if any failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # ok | warn | FAIL
+    detail: str
+
+
+def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def check_params(params_file: Path, overlays: list[str]) -> tuple[Check, object]:
+    from medpfl.config import ParamsError, load_params
+
+    try:
+        p = load_params(params_file, overlays)
+        return Check("params", "ok", f"{params_file} valid (study {p.study})"), p
+    except ParamsError as e:
+        return Check("params", "FAIL", str(e)), None
+
+
+def check_data(params, root: Path) -> list[Check]:
+    from medpfl.data.sources import dataset_spec, default_mirrors
+    from medpfl.io import md5sum
+
+    out = []
+    for name in params.data.datasets:
+        custom = {k: v.model_dump() for k, v in params.data.custom.items()}
+        spec = dataset_spec(name, custom)
+        raw = root / "data" / "raw" / spec.filename
+        if raw.exists():
+            got = md5sum(raw)
+            if got == spec.md5:
+                out.append(Check(f"data {name}", "ok", f"{raw} MD5 {got}"))
+            else:
+                out.append(Check(f"data {name}", "FAIL", f"{raw} MD5 {got}, expected {spec.md5}: delete it and re-run "
+                                 "`snakemake data_all --cores all`"))
+            continue
+        mirrors = [m / spec.filename for m in default_mirrors(root) if (m / spec.filename).exists()]
+        if mirrors:
+            ok = md5sum(mirrors[0]) == spec.md5
+            out.append(Check(f"data {name}", "ok" if ok else "FAIL",
+                             f"not downloaded yet; mirror {mirrors[0]} {'has the right MD5' if ok else 'has a WRONG MD5'}"))
+        else:
+            out.append(Check(f"data {name}", "warn", f"not downloaded and no mirror: the download stage will fetch "
+                             f"{spec.url} (set MEDPFL_DATA_MIRROR for offline machines)"))
+    return out
+
+
+def check_mlflow() -> Check:
+    from medpfl.tracking import TrackingError, check_reachable, default_tracking_uri
+
+    uri = default_tracking_uri()
+    try:
+        check_reachable(uri)
+        if uri.startswith(("http://", "https://")):
+            return Check("mlflow", "ok", f"{uri} answers")
+        from mlflow.tracking import MlflowClient
+
+        MlflowClient(uri).search_experiments(max_results=1)
+        return Check("mlflow", "ok", f"{uri} readable")
+    except (TrackingError, Exception) as e:
+        return Check("mlflow", "FAIL", f"{uri}: {e}")
+
+
+def check_gpu() -> Check:
+    import torch
+
+    if torch.cuda.is_available():
+        names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+        return Check("gpu", "ok", f"CUDA {torch.version.cuda}: {names}")
+    return Check("gpu", "warn", "no CUDA device visible: training runs on the CPU (train.device auto)")
+
+
+def check_pipeline(root: Path, overlays: list[str]) -> list[Check]:
+    out = []
+    if shutil.which("dvc") and (root / ".dvc").is_dir():
+        r = _run(["dvc", "status", "--json"])
+        if r.returncode != 0:
+            out.append(Check("dvc", "FAIL", r.stderr.strip()[-500:]))
+        else:
+            changed = json.loads(r.stdout or "{}")
+            out.append(Check("dvc", "ok" if not changed else "warn",
+                             "all stages up to date" if not changed else f"stages to run: {', '.join(changed)} (`dvc repro`)"))
+    cmd = ["snakemake", "--dry-run", "--quiet", "rules", "--cores", "1"]
+    for ov in overlays:
+        cmd += ["--configfile", ov]
+    r = _run(cmd)
+    if r.returncode != 0:
+        out.append(Check("snakemake", "FAIL", (r.stderr or r.stdout).strip()[-800:]))
+    elif "Nothing to be done" in r.stdout + r.stderr or not (r.stdout + r.stderr).strip():
+        out.append(Check("snakemake", "ok", "nothing to be done"))
+    else:
+        pending = " ".join((r.stdout + r.stderr).split())[-400:]
+        out.append(Check("snakemake", "warn", f"jobs to run: {pending}. If DVC is up to date but Snakemake wants to "
+                         "re-run, its metadata is stale (after git checkout + dvc checkout): run `medpfl sync`"))
+    return out
+
+
+def doctor(params_file: Path = Path("params.yaml"), overlays: list[str] = (), pipeline: bool = True) -> int:
+    root = Path.cwd()
+    checks: list[Check] = []
+    c, params = check_params(params_file, list(overlays))
+    checks.append(c)
+    if params is not None:
+        checks += check_data(params, root)
+    checks.append(check_mlflow())
+    checks.append(check_gpu())
+    if pipeline and params is not None:
+        checks += check_pipeline(root, list(overlays))
+    width = max(len(c.name) for c in checks)
+    for c in checks:
+        print(f"{c.status:>4}  {c.name:<{width}}  {c.detail}")
+    return 1 if any(c.status == "FAIL" for c in checks) else 0
+
+
+def sync(overlays: list[str] = ()) -> int:
+    """``dvc checkout`` then ``snakemake --touch``: after ``git checkout <rev>``, make the
+    workspace's data match ``dvc.lock`` and tell Snakemake the restored files are current."""
+    steps = [["dvc", "checkout"], ["snakemake", "--touch", "--cores", "1"] + [a for ov in overlays for a in ("--configfile", ov)]]
+    for cmd in steps:
+        print("+", " ".join(cmd), flush=True)
+        r = subprocess.run(cmd, env=os.environ.copy())
+        if r.returncode != 0:
+            print(f"medpfl sync: `{' '.join(cmd)}` failed with status {r.returncode}")
+            return r.returncode
+    return 0
