@@ -100,6 +100,10 @@ def cmd_report(a) -> None:
 
     paths = build_report([Path(p) for p in a.runs], Path(a.out_dir), [Path(p) for p in a.partition_figures],
                          title=a.title or "")
+    if a.parent:
+        from medpfl.tracking import log_study
+
+        log_study(Path(a.parent), _job(a.study_params) if a.study_params else {}, [Path(p) for p in paths.values()])
     print(f"report: {', '.join(str(p) for p in paths.values())}")
 
 
@@ -183,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--partition-figures", nargs="*", default=[])
     s.add_argument("--out-dir", required=True)
     s.add_argument("--title")
+    s.add_argument("--parent", help="parent.json: log the study params and the report to the parent run")
+    s.add_argument("--study-params", help="JSON of the study's resolved params")
     s.set_defaults(fn=cmd_report)
 
     s = sub.add_parser("check-params", help="validate params.yaml (+ overlays) and exit")

@@ -248,7 +248,7 @@ def format_validation_error(err: ValidationError, source: str) -> str:
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key (check the spelling; see params.yaml for the allowed keys)"
-        lines.append(f"  - {loc}: {msg}")
+        lines.append(f"  - {loc}: {msg}" if e["loc"] else f"  - {msg}")
     return "\n".join(lines)
 
 

@@ -90,6 +90,8 @@ def init_study(study: str, experiment: str, out: Path, params: dict[str, Any] | 
                uri: str | None = None, artifact_root: Path | None = None) -> dict:
     """Create (or reuse) the store, the experiment and a parent run for ``study``; write ``out``.
 
+    The parent depends only on the study and experiment names (so editing a parameter or
+    adding a method keeps it); the report stage logs the current params and tables to it.
     Returns the parent record ``{"tracking_uri", "experiment_id", "parent_run_id", "study"}``.
     """
     import mlflow
@@ -116,6 +118,25 @@ def init_study(study: str, experiment: str, out: Path, params: dict[str, Any] | 
               "experiment": experiment, "mlflow_version": mlflow.__version__}
     write_json(out, record)
     return record
+
+
+def log_study(parent_file: Path, params: dict[str, Any], artifacts: list[Path]) -> None:
+    """Log the study's resolved params (as ``config/params.json``; MLflow params are immutable,
+    so they are logged only once, as they were at the first report) and the report files to the
+    parent run."""
+    parent = read_json(parent_file)
+    client = _client(parent["tracking_uri"])
+    run_id = parent["parent_run_id"]
+    if params:
+        retry(client.log_dict, run_id, params, "config/params.json")
+        from mlflow.entities import Param
+
+        existing = client.get_run(run_id).data.params
+        new = [Param(k, str(v)[:6000]) for k, v in flatten(params).items() if k not in existing]
+        for i in range(0, len(new), 100):
+            retry(client.log_batch, run_id, params=new[i:i + 100])
+    for path in artifacts:
+        retry(client.log_artifact, run_id, str(path), "report")
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, Any]:

@@ -1,4 +1,4 @@
-# Helpers shared by the rule files. Parameters are validated here, once, before any job runs:
+# Helpers shared by the rule files. Parameters are validated here, once, before any job runs;
 # a typo in params.yaml or an overlay fails with the dotted key's name.
 import shlex
 import shutil
@@ -65,7 +65,7 @@ def run_dirs():
 
 def partition_outputs(name):
     return expand(
-        "data/partitions/{dataset}/{partition}/" + name,
+        f"data/partitions/{{dataset}}/{{partition}}/{name}",
         dataset=PARAMS.data.datasets,
         partition=list(PARAMS.partitions),
     )

@@ -4,18 +4,18 @@
 
 rule evaluate:
     input:
-        records=RUN_DIR + "/records.parquet",
-        rounds=RUN_DIR + "/rounds.parquet",
-        job=RUN_DIR + "/job.json",
+        records=f"{RUN_DIR}/records.parquet",
+        rounds=f"{RUN_DIR}/rounds.parquet",
+        job=f"{RUN_DIR}/job.json",
     output:
-        metrics=RUN_DIR + "/metrics.json",
-        per_round=RUN_DIR + "/round_metrics.csv",
-        clients=RUN_DIR + "/client_accuracy.csv",
-        curves=RUN_DIR + "/curves.png",
+        metrics=f"{RUN_DIR}/metrics.json",
+        per_round=f"{RUN_DIR}/round_metrics.csv",
+        clients=f"{RUN_DIR}/client_accuracy.csv",
+        curves=f"{RUN_DIR}/curves.png",
     params:
         code=code_hash("metrics.py", "evaluate.py"),
     log:
-        RUN_DIR + "/evaluate.log",
+        f"{RUN_DIR}/evaluate.log",
     conda:
         "../envs/medpfl.yaml"
     shell:

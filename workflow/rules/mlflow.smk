@@ -8,11 +8,10 @@ rule mlflow_init:
         "results/{study}/mlflow_parent.json",
     params:
         experiment=PARAMS.mlflow.experiment,
-        job=study_json,
     log:
         "logs/mlflow/{study}.log",
     conda:
         "../envs/medpfl.yaml"
     shell:
         "medpfl mlflow-init --study {wildcards.study} --experiment {params.experiment} "
-        "--job {params.job} --out {output} > {log} 2>&1"
+        "--out {output} > {log} 2>&1"

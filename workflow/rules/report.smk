@@ -1,4 +1,5 @@
-# Tables and figures across methods (mean +- std over seeds, FedKPer Table 1 shape).
+# Tables and figures across methods (mean +- std over seeds, FedKPer Table 1 shape); the
+# study's resolved params and the tables are logged to the MLflow parent run.
 
 
 rule report:
@@ -6,6 +7,7 @@ rule report:
         metrics=expand("{run}/metrics.json", run=run_dirs()),
         per_round=expand("{run}/round_metrics.csv", run=run_dirs()),
         figures=partition_outputs("heatmap.png"),
+        parent=ancient("results/{study}/mlflow_parent.json"),
     output:
         table=report("results/{study}/report/table.md", caption="../report/table.rst", category="Results"),
         html=report("results/{study}/report/table.html", caption="../report/table.rst", category="Results"),
@@ -14,6 +16,7 @@ rule report:
         curves=report("results/{study}/report/curves.png", caption="../report/curves.rst", category="Results"),
     params:
         runs=run_dirs(),
+        study=study_json,
         code=code_hash("report"),
     log:
         "logs/report/{study}.log",
@@ -21,7 +24,8 @@ rule report:
         "../envs/medpfl.yaml"
     shell:
         "medpfl report --runs {params.runs} --partition-figures {input.figures} "
-        "--out-dir $(dirname {output.table}) --title 'medpfl study {wildcards.study}' > {log} 2>&1"
+        "--out-dir $(dirname {output.table}) --title 'medpfl study {wildcards.study}' "
+        "--parent {input.parent} --study-params {params.study} > {log} 2>&1"
 
 
 rule report_all:

@@ -9,10 +9,10 @@ rule train:
         table="data/partitions/{dataset}/{partition}/partition.parquet",
         parent=ancient("results/{study}/mlflow_parent.json"),
     output:
-        records=RUN_DIR + "/records.parquet",
-        rounds=RUN_DIR + "/rounds.parquet",
-        model=RUN_DIR + "/final_model.pt",
-        job=RUN_DIR + "/job.json",
+        records=f"{RUN_DIR}/records.parquet",
+        rounds=f"{RUN_DIR}/rounds.parquet",
+        model=f"{RUN_DIR}/final_model.pt",
+        job=f"{RUN_DIR}/job.json",
     params:
         job=train_json,
         code=code_hash("fl", "algorithms", "models", "train.py"),
@@ -20,7 +20,7 @@ rule train:
     resources:
         gpu=1 if HAS_GPU else 0,
     log:
-        RUN_DIR + "/train.log",
+        f"{RUN_DIR}/train.log",
     conda:
         "../envs/medpfl.yaml"
     shell:

@@ -75,13 +75,13 @@ def parse_dataset_name(name: str) -> tuple[str, int]:
     INFO, _ = medmnist_info()
     m = re.fullmatch(r"([a-z0-9]+?)(?:_(\d+))?", name)
     if not m:
-        raise ValueError(f"data set {name!r}: expected a MedMNIST file stem such as 'bloodmnist' or 'bloodmnist_64'")
+        raise DataError(f"data set {name!r}: expected a MedMNIST file stem such as 'bloodmnist' or 'bloodmnist_64'")
     flag, size = m.group(1), int(m.group(2) or 28)
     if flag not in INFO:
         known = ", ".join(sorted(k for k in INFO if not k.endswith("3d")))
-        raise ValueError(f"data set {name!r}: unknown MedMNIST flag {flag!r}; known 2D flags: {known}")
+        raise DataError(f"data set {name!r}: unknown MedMNIST flag {flag!r}; known 2D flags: {known}")
     if size not in MEDMNIST_SIZES or (size == 28 and m.group(2)):
-        raise ValueError(f"data set {name!r}: size must be one of 28 (no suffix), 64, 128, 224")
+        raise DataError(f"data set {name!r}: size must be one of 28 (no suffix), 64, 128, 224")
     return flag, size
 
 
@@ -94,6 +94,8 @@ def dataset_spec(name: str, custom: dict | None = None) -> DatasetSpec:
     """
     if custom and name in custom:
         c = custom[name]
+        if not Path(c["path"]).is_file():
+            raise DataError(f"data set {name!r}: data.custom.{name}.path {c['path']} does not exist")
         return DatasetSpec(name=name, flag=name, size=0, url=str(Path(c["path"]).resolve().as_uri()), md5=c["md5"],
                            n_channels=int(c["n_channels"]), num_classes=int(c["num_classes"]), task="multi-class")
     INFO, version = medmnist_info()
@@ -101,7 +103,7 @@ def dataset_spec(name: str, custom: dict | None = None) -> DatasetSpec:
     info = INFO[flag]
     key = "" if size == 28 else f"_{size}"
     if f"url{key}" not in info:
-        raise ValueError(f"data set {name!r}: medmnist {version} has no {size}-px file for {flag}")
+        raise DataError(f"data set {name!r}: medmnist {version} has no {size}-px file for {flag}")
     return DatasetSpec(
         name=name,
         flag=flag,
