@@ -114,6 +114,7 @@ class TrainConfig(_Strict):
     model: Literal["cnn4"] = "cnn4"
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
     executor: Literal["auto", "sequential", "stacked"] = "auto"
+    precision: Literal["fp32", "bf16"] = Field("fp32", description="bf16: autocast the local forward/backward")
     checkpoint_every: int = Field(10, ge=0, description="rounds between checkpoints; 0 = never")
 
     @field_validator("device")

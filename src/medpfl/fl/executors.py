@@ -34,6 +34,12 @@ class SequentialExecutor:
         self.seed = seed
         self.eval_batch_size = eval_batch_size
 
+    def autocast(self):
+        """bf16 autocast of the local objective when ``train.precision`` is bf16 (parameters,
+        gradients and the optimizer stay float32); a no-op context otherwise."""
+        bf16 = self.train.precision == "bf16"
+        return torch.autocast(self.data.device.type, dtype=torch.bfloat16, enabled=bf16)
+
     def sample_context(self, algo: Algorithm, ctx: dict[str, Any], ids: torch.Tensor) -> dict[str, torch.Tensor]:
         parts: dict[str, list[torch.Tensor]] = {}
         for s in range(0, len(ids), self.eval_batch_size):
@@ -66,7 +72,8 @@ class SequentialExecutor:
                      "w": torch.full((nv,), 1.0 / nv, device=data.device)}
             for k, v in sctx.items():
                 batch[k] = v[pos]
-            loss = algo.local_loss(params, ctx, batch)
+            with self.autocast():
+                loss = algo.local_loss(params, ctx, batch)
             g = dict(zip(names, torch.autograd.grad(loss, [params[k] for k in names])))
             if clip is not None:
                 g = clip_by_global_norm(g, clip)

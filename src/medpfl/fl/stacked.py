@@ -120,7 +120,8 @@ class StackedExecutor(SequentialExecutor):
             batch = {"x": data.x(sid), "y": labels[sid], "w": weights[:, s]}
             for k, v in sctx.items():
                 batch[k] = torch.gather(v, 1, pos[:, s].view(m, bs, *([1] * (v.dim() - 2))).expand(m, bs, *v.shape[2:]))
-            loss = loss_fn(params, ctx, batch).sum()
+            with self.autocast():
+                loss = loss_fn(params, ctx, batch).sum()
             g = dict(zip(names, torch.autograd.grad(loss, [params[k] for k in names])))
             if clip is not None:
                 norm = torch.sqrt(sum(torch.sum(t.float().reshape(m, -1) ** 2, dim=1) for t in g.values()))

@@ -1,0 +1,297 @@
+"""Fault injection: killed training jobs resume to identical numbers, killed stages leave no
+file a later stage trusts, tracking faults are caught, and nothing but the declared uploads
+crosses from clients to the server."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from medpfl.config import EvalConfig, TrainConfig, train_job, validate_params
+from medpfl.data.partition import build_partition
+from medpfl.data.preprocess import load_processed, preprocess
+from medpfl.data.synthetic import write_synthetic_npz
+from medpfl.fl.engine import Engine, PrivacyError, check_upload
+from medpfl.io import atomic_path, md5sum, write_parquet
+from medpfl.tracking import RunLogger, TrackingError, init_study
+from tests.conftest import SHARED_BLOOD, initial_params, make_algo
+
+MEDPFL = [sys.executable, "-m", "medpfl.cli"]
+
+
+# ----- a prepared training job on synthetic data -------------------------------------------
+@pytest.fixture()
+def job_dir(tmp_path):
+    """Arrays, partition table, MLflow parent and a 6-round job description in tmp_path."""
+    write_synthetic_npz(tmp_path / "synth.npz", 4, 3, 28, (600, 20, 120), seed=2)
+    preprocess(tmp_path / "synth.npz", tmp_path / "arrays.npz", tmp_path / "samples.parquet", 4, 3)
+    data = load_processed(tmp_path / "arrays.npz", tmp_path / "samples.parquet")
+    params = validate_params({
+        "study": "faults",
+        "data": {"datasets": ["synth"], "custom": {"synth": {"path": str(tmp_path / "synth.npz"),
+                                                             "md5": md5sum(tmp_path / "synth.npz"),
+                                                             "n_channels": 3, "num_classes": 4}}},
+        "partitions": [{"name": "p", "num_clients": 4, "alpha": 1.0, "min_samples": 20}],
+        "methods": ["fedkper"], "seeds": [3],
+        "train": {"rounds": 6, "participation": 1.0, "local_epochs": 2, "batch_size": 16, "checkpoint_every": 1,
+                  "executor": "sequential", "device": "cpu"},
+    })
+    pool = data.samples[data.samples["split"] == "train"]
+    table = build_partition(pool["sample_id"].to_numpy(), pool["label"].to_numpy(), params.partitions["p"], "p")
+    write_parquet(tmp_path / "partition.parquet", table)
+    uri = f"sqlite:///{tmp_path}/mlruns.db"
+    init_study("faults", "faults", tmp_path / "parent.json", uri=uri, artifact_root=tmp_path / "mlartifacts")
+    job = train_job(params, "synth", "p", "fedkper", 3)
+    return tmp_path, job, uri
+
+
+def _train_cmd(d: Path, job: dict, out: str, parent: str = "parent.json") -> list[str]:
+    return MEDPFL + ["train", "--job", json.dumps(job), "--arrays", str(d / "arrays.npz"), "--samples",
+                     str(d / "samples.parquet"), "--partition-table", str(d / "partition.parquet"),
+                     "--parent", str(d / parent), "--out-dir", str(d / out), "--threads", "1"]
+
+
+def _env(uri: str) -> dict:
+    return {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+def _records(run: Path) -> pd.DataFrame:
+    return pd.read_parquet(run / "records.parquet")
+
+
+def test_sigkill_mid_round_resumes_to_identical_metrics(job_dir):
+    d, job, uri = job_dir
+    env = _env(uri)
+    subprocess.run(_train_cmd(d, job, "clean"), env=env, check=True, capture_output=True)
+
+    log = open(d / "killed.log", "w")
+    proc = subprocess.Popen(_train_cmd(d, job, "killed"), env=env, stdout=log, stderr=subprocess.STDOUT)
+    # wait until round 3 has finished (checkpoint written), then kill inside round 4
+    deadline = time.time() + 300
+    while "round 3/6" not in (d / "killed.log").read_text():
+        assert proc.poll() is None, (d / "killed.log").read_text()
+        assert time.time() < deadline
+        time.sleep(0.05)
+    t3 = time.time()
+    time.sleep(0.3)  # a round takes about a second here: we are mid-round
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    assert time.time() - t3 < 5
+    killed = d / "killed"
+    assert (killed / "checkpoint.pt").exists() and not (killed / "records.parquet").exists()
+    ckpt = torch.load(killed / "checkpoint.pt", weights_only=False)
+    assert 3 <= ckpt["next_round"] < 6
+    run_id = json.loads((killed / "mlflow_run.json").read_text())["run_id"]
+
+    r = subprocess.run(_train_cmd(d, job, "killed"), env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming from checkpoint" in r.stderr
+    pd.testing.assert_frame_equal(_records(d / "clean"), _records(killed))  # exact: losses too
+    a = torch.load(d / "clean" / "final_model.pt")["global"]
+    b = torch.load(killed / "final_model.pt")["global"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not (killed / "checkpoint.pt").exists()
+    # the same MLflow child run continued: one child per job directory, FINISHED, full history
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(uri)
+    assert json.loads((killed / "mlflow_run.json").read_text())["run_id"] == run_id
+    run = c.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    steps = {m.step for m in c.get_metric_history(run_id, "global_test_acc")}
+    assert steps == set(range(6))
+    children = c.search_runs([run.info.experiment_id], "tags.method = 'fedkper'")
+    assert len(children) == 2  # the clean job and the killed-then-resumed one, not three
+
+
+def test_exception_marks_run_failed_and_keeps_checkpoint(job_dir, monkeypatch):
+    d, job, uri = job_dir
+    import medpfl.train as train_mod
+    from mlflow.tracking import MlflowClient
+
+    real = train_mod.round_scalars
+
+    def boom(records, row):
+        if row["round"] == 2:
+            raise RuntimeError("injected fault in round 2")
+        return real(records, row)
+
+    monkeypatch.setattr(train_mod, "round_scalars", boom)
+    out = d / "run"
+    with pytest.raises(RuntimeError, match="injected fault"):
+        train_mod.run_training(job, d / "arrays.npz", d / "samples.parquet", d / "partition.parquet", out,
+                               parent_file=d / "parent.json")
+    run_id = json.loads((out / "mlflow_run.json").read_text())["run_id"]
+    assert MlflowClient(uri).get_run(run_id).info.status == "FAILED"
+    assert (out / "checkpoint.pt").exists()  # rounds 0-1 kept
+    assert torch.load(out / "checkpoint.pt", weights_only=False)["next_round"] == 2
+    monkeypatch.setattr(train_mod, "round_scalars", real)
+    train_mod.run_training(job, d / "arrays.npz", d / "samples.parquet", d / "partition.parquet", out,
+                           parent_file=d / "parent.json")
+    assert MlflowClient(uri).get_run(run_id).info.status == "FINISHED"
+    assert MlflowClient(uri).get_metric_history(run_id, "resumed_from_round")[-1].value == 2
+
+
+def test_unreachable_tracking_server_fails_before_training(job_dir):
+    d, job, uri = job_dir
+    bad = json.loads((d / "parent.json").read_text())
+    bad["tracking_uri"] = "http://127.0.0.1:9"  # discard port: nothing listens
+    (d / "bad_parent.json").write_text(json.dumps(bad))
+    t = time.time()
+    r = subprocess.run(_train_cmd(d, job, "unreach", parent="bad_parent.json"), env=_env(uri), capture_output=True,
+                       text=True)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "http://127.0.0.1:9" in r.stderr and "unreachable" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert time.time() - t < 60
+    assert not (d / "unreach" / "checkpoint.pt").exists() and not (d / "unreach" / "records.parquet").exists()
+    with pytest.raises(TrackingError, match="unreachable"):
+        init_study("x", "x", d / "p2.json", uri="http://127.0.0.1:9")
+
+
+def _writer(uri: str, parent: str, out: str, idx: int, rounds: int, keys: int) -> None:
+    os.environ["MLFLOW_TRACKING_URI"] = uri
+    lg = RunLogger(Path(parent), Path(out) / f"run{idx}.json", f"writer{idx}", {"writer": str(idx)})
+    for r in range(rounds):
+        lg.log_metrics({f"m{k}": idx * 1000 + r + k / 10 for k in range(keys)}, step=r)
+    lg.finish()
+
+
+def test_eight_parallel_writers_lose_no_metric(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlruns.db"
+    init_study("par", "par", tmp_path / "parent.json", uri=uri, artifact_root=tmp_path / "art")
+    ctx = mp.get_context("spawn")
+    rounds, keys = 40, 6
+    procs = [ctx.Process(target=_writer, args=(uri, str(tmp_path / "parent.json"), str(tmp_path), i, rounds, keys))
+             for i in range(8)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+        assert p.exitcode == 0
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(uri)
+    for i in range(8):
+        run_id = json.loads((tmp_path / f"run{i}.json").read_text())["run_id"]
+        for k in range(keys):
+            hist = c.get_metric_history(run_id, f"m{k}")
+            assert sorted((m.step, m.value) for m in hist) == [(r, i * 1000 + r + k / 10) for r in range(rounds)]
+
+
+def test_interrupted_atomic_write_leaves_nothing(tmp_path):
+    target = tmp_path / "out.parquet"
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_path(target) as tmp:
+            tmp.write_bytes(b"PAR1 half a file")
+            raise KeyboardInterrupt
+    assert not target.exists() and list(tmp_path.iterdir()) == []
+    target.write_text("old")
+    with pytest.raises(ValueError):
+        with atomic_path(target) as tmp:
+            tmp.write_text("new but broken")
+            raise ValueError
+    assert target.read_text() == "old"  # the previous complete output survives
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SHARED_BLOOD.exists(), reason="needs the BloodMNIST mirror (a write that takes a while)")
+def test_preprocess_killed_mid_write_never_leaves_a_partial_output(tmp_path):
+    """Kill `medpfl preprocess` on real BloodMNIST at several moments: the output is either absent
+    or complete, and a re-run gives the same bytes as a clean run."""
+    clean_a, clean_s = tmp_path / "clean.npz", tmp_path / "clean.samples.parquet"
+    cmd = MEDPFL + ["preprocess", "--dataset", "bloodmnist", "--raw", str(SHARED_BLOOD)]
+    t0 = time.time()
+    subprocess.run(cmd + ["--out", str(clean_a), "--samples", str(clean_s)], check=True, capture_output=True)
+    duration = time.time() - t0
+    outcomes = []
+    for i, frac in enumerate(np.linspace(0.3, 1.1, 7)):
+        a, s = tmp_path / f"k{i}.npz", tmp_path / f"k{i}.samples.parquet"
+        p = subprocess.Popen(cmd + ["--out", str(a), "--samples", str(s)], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+        time.sleep(duration * frac)
+        p.kill()
+        p.wait()
+        for out, ref in ((a, clean_a), (s, clean_s)):
+            if out.exists():
+                assert md5sum(out) == md5sum(ref), f"{out} exists but differs from a clean run's output"
+        outcomes.append((a.exists(), s.exists()))
+        # a later stage either finds no input or a complete one; a re-run completes it identically
+        subprocess.run(cmd + ["--out", str(a), "--samples", str(s)], check=True, capture_output=True)
+        assert md5sum(a) == md5sum(clean_a) and md5sum(s) == md5sum(clean_s)
+    # leftover temporaries carry the recognisable prefix that .dvcignore excludes
+    assert all(f.name.startswith(".medpfl-tmp-") for f in tmp_path.iterdir() if f.name.startswith("."))
+    assert any(not x for x, _ in outcomes), "no kill landed before the arrays were written"
+
+
+# ----- the privacy boundary ------------------------------------------------------------------
+@pytest.mark.parametrize("method", ["fedavg", "fedprox", "fedkper", "local"])
+@pytest.mark.parametrize("executor", ["sequential", "stacked"])
+def test_only_declared_uploads_cross_to_the_server(fed_data, method, executor):
+    algo = make_algo(method)
+    crossed = []
+    real = algo.aggregate
+
+    def server_side(global_params, uploads):
+        crossed.append(uploads)
+        return real(global_params, uploads)
+
+    algo.aggregate = server_side
+    train = TrainConfig(rounds=2, participation=0.6, local_epochs=1, batch_size=16)
+    res = Engine(algo, fed_data, train, EvalConfig(), seed=1, executor_kind=executor).run()
+    if not algo.has_global_model:
+        assert crossed == [] and (res.rounds["bytes_up"] == 0).all()
+        return
+    assert len(crossed) == 2
+    shapes = {k: v.shape for k, v in initial_params().items()}
+    images = fed_data.images.float()
+    for up in crossed:
+        assert set(up) == set(algo.upload_keys)
+        check_upload(algo, up, shapes, 3)
+        for key, value in up.items():
+            leaves = value.values() if isinstance(value, dict) else [value]
+            for t in leaves:
+                # no leaf is (a slice of) the images or labels, nor per-sample sized
+                assert t.dtype.is_floating_point
+                assert t.shape[-3:] != images.shape[-3:]
+                assert all(s not in {len(x) for x in fed_data.client_train} for s in t.shape[1:] if s > 64)
+
+
+def test_privacy_boundary_rejects_undeclared_or_per_sample_uploads():
+    algo = make_algo("fedavg")
+    shapes = {k: v.shape for k, v in initial_params().items()}
+    good = {"params": {k: torch.zeros(2, *s) for k, s in shapes.items()}, "num_samples": torch.ones(2)}
+    check_upload(algo, good, shapes, 2)
+    with pytest.raises(PrivacyError, match="declared"):
+        check_upload(algo, {**good, "images": torch.zeros(2, 10, 3, 28, 28)}, shapes, 2)
+    with pytest.raises(PrivacyError, match="num_samples"):
+        check_upload(algo, {**good, "num_samples": torch.zeros(2, 37)}, shapes, 2)  # per-sample labels
+    bad = {**good, "params": {**good["params"], "fc.weight": torch.zeros(2, 10, 3, 28, 28)}}
+    with pytest.raises(PrivacyError, match="fc.weight"):
+        check_upload(algo, bad, shapes, 2)
+
+
+def test_a_method_that_uploads_data_is_stopped(fed_data):
+    """A (buggy or malicious) method that sends its labels: the engine refuses before aggregation."""
+    algo = make_algo("fedavg")
+    real = algo.client_update
+
+    def leaky(params, state, info):
+        up, st = real(params, state, info)
+        return {**up, "label_hist": info["label_hist"]}, st
+
+    algo.client_update = leaky
+    with pytest.raises(PrivacyError, match="label_hist"):
+        Engine(algo, fed_data, TrainConfig(rounds=1, participation=0.6, local_epochs=1), EvalConfig(), seed=0,
+               executor_kind="sequential").run()
