@@ -123,3 +123,38 @@ def test_dvc_repro_gates_stages(dvc_repo):
     assert all(records_after[k] != records_before[k] for k in records_before), \
         "the training jobs did not re-run on the new partition"
     _dvc_status_clean(repo, env)
+
+
+def test_doctor_and_sync_after_a_version_switch(dvc_repo):
+    """`git checkout <old rev>` + `dvc checkout` restores the old outputs, which DVC calls up to
+    date, but Snakemake's metadata still holds the newer params and wants to re-train
+    (docs/pipeline.md). `medpfl doctor` says so; `medpfl sync` reconciles them."""
+    repo, env = dvc_repo
+    dvc, medpfl, smk = tool("dvc"), tool("medpfl"), tool("snakemake")
+    run([dvc, "repro"], cwd=repo, env=env, merge=True)
+    doc = run([medpfl, "doctor"], cwd=repo, env=env, check=False, merge=True)
+    assert doc.returncode == 0, doc.stdout
+    assert "all stages up to date" in doc.stdout and "nothing to be done" in doc.stdout, doc.stdout
+    run(["git", "add", "-A"], cwd=repo, env=env)
+    run(["git", "commit", "-q", "-m", "rounds 2"], cwd=repo, env=env)
+    params = read_params(repo)
+    params["train"]["rounds"] = 3
+    write_params(repo, params)
+    run([dvc, "repro"], cwd=repo, env=env, merge=True)
+    run(["git", "add", "-A"], cwd=repo, env=env)
+    run(["git", "commit", "-q", "-m", "rounds 3"], cwd=repo, env=env)
+
+    run(["git", "checkout", "-q", "HEAD~1"], cwd=repo, env=env)
+    run([dvc, "checkout"], cwd=repo, env=env, merge=True)
+    _dvc_status_clean(repo, env)
+    assert _rounds_of(repo / RUNS / "fedavg" / "seed1") == 2
+    dry = run([smk, "--dry-run", "--cores", "1"], cwd=repo, env=env, merge=True).stdout
+    assert "Nothing to be done" not in dry and "train" in dry, dry[-3000:]
+    doc = run([medpfl, "doctor"], cwd=repo, env=env, check=False, merge=True)
+    assert doc.returncode == 0 and "medpfl sync" in doc.stdout, doc.stdout
+    sync = run([medpfl, "sync"], cwd=repo, env=env, check=False, merge=True)
+    assert sync.returncode == 0, sync.stdout[-3000:]
+    dry = run([smk, "--dry-run", "--cores", "1"], cwd=repo, env=env, merge=True).stdout
+    assert "Nothing to be done" in dry, dry[-3000:]
+    assert _rounds_of(repo / RUNS / "fedavg" / "seed1") == 2
+    _dvc_status_clean(repo, env)
