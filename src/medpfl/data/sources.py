@@ -94,8 +94,6 @@ def dataset_spec(name: str, custom: dict | None = None) -> DatasetSpec:
     """
     if custom and name in custom:
         c = custom[name]
-        if not Path(c["path"]).is_file():
-            raise DataError(f"data set {name!r}: data.custom.{name}.path {c['path']} does not exist")
         return DatasetSpec(name=name, flag=name, size=0, url=str(Path(c["path"]).resolve().as_uri()), md5=c["md5"],
                            n_channels=int(c["n_channels"]), num_classes=int(c["num_classes"]), task="multi-class")
     INFO, version = medmnist_info()
@@ -162,6 +160,9 @@ def fetch(name: str, out: str | Path, mirrors: list[Path] | None = None, retries
                 shutil.copyfile(candidate, tmp)
             return f"mirror {candidate}"
     errors = []
+    if spec.url.startswith("file:") and not Path(urllib.request.url2pathname(spec.url[len("file://"):])).is_file():
+        retries = 0  # a declared local file that is missing: nothing to retry
+        errors.append(f"data.custom.{name}.path does not exist")
     for attempt in range(retries):
         try:
             with atomic_path(out) as tmp:
