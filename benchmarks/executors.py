@@ -134,6 +134,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=5)
     ap.add_argument("--scale", type=int, nargs="+", default=[20, 100, 500])
     ap.add_argument("--scale-rounds", type=int, default=2)
+    ap.add_argument("--scale-epochs", type=int, default=0, help="local epochs in part 2 (default: --epochs)")
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--executors", nargs="+", default=["sequential", "stacked"])
     ap.add_argument("--threads", type=int, default=0)
@@ -166,14 +167,16 @@ def main() -> None:
                 out[f"ratio_participation_{part}"] = ratio
 
     if a.part in (0, 2):
-        print(f"\nPart 2: full participation, K = {a.scale}, Dirichlet 0.5, {a.scale_rounds} rounds\n{HEADER}")
+        ep2 = a.scale_epochs or a.epochs
+        print(f"\nPart 2: full participation, K = {a.scale}, Dirichlet 0.5, {ep2} local epochs, {a.scale_rounds} rounds"
+              f"\n{HEADER}")
         for k in a.scale:
             table = build_partition(pool["sample_id"].to_numpy(), pool["label"].to_numpy(),
                                     PartitionConfig(num_clients=k, alpha=0.5, seed=1, min_samples=5), f"bench{k}")
             data = FederatedData.build(blood, table, dev)
             for ex in a.executors:
                 try:
-                    r = run_one(data, ex, 1.0, a.scale_rounds, a.epochs, a.precision)
+                    r = run_one(data, ex, 1.0, a.scale_rounds, ep2, a.precision)
                 except torch.OutOfMemoryError as e:
                     print(f"{ex:<10} K={k:<4} out of memory: {e}")
                     continue

@@ -58,13 +58,13 @@ def fed_data(synthetic_processed):
     return make_fed_data(synthetic_processed)
 
 
-def make_algo(name, num_classes=4, **overrides):
+def make_algo(name, num_classes=4, model="cnn4", **overrides):
     from medpfl.algorithms import resolve_method
     from medpfl.fl.functional import make_forward
     from medpfl.models import build_model
 
     cls, cfg = resolve_method(name, {name: overrides} if overrides else {})
-    return cls(cfg, make_forward(build_model("cnn4", 3, num_classes, 28).to("meta")), num_classes)
+    return cls(cfg, make_forward(build_model(model, 3, num_classes, 28).to("meta")), num_classes)
 
 
 def initial_params(num_classes=4, seed=0):

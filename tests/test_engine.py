@@ -67,14 +67,15 @@ def test_sgd_step_matches_torch_sgd_and_mask_freezes():
     sgd_step_(P, {"w": torch.stack([g, g])}, B, 0.1, 0.9, 0.01, active=torch.tensor([1.0, 0.0]))
     q, qb = {"w": w.clone()}, {"w": torch.zeros(5, 3)}
     sgd_step_(q, {"w": g.clone()}, qb, 0.1, 0.9, 0.01)
-    assert torch.equal(P["w"][0], q["w"]) and torch.equal(P["w"][1], w) and torch.all(B["w"][1] == 0)
+    torch.testing.assert_close(P["w"][0], q["w"], atol=1e-7, rtol=0)
+    assert torch.equal(P["w"][1], w) and torch.all(B["w"][1] == 0)
 
 
 def _run(fed_data, method, executor, rounds=3, participation=0.6, epochs=1, checkpoint=None, callbacks=(),
-         every=1, **overrides):
-    algo = make_algo(method, **overrides)
+         every=1, model="cnn4", **overrides):
+    algo = make_algo(method, model=model, **overrides)
     train = TrainConfig(rounds=rounds, participation=participation, local_epochs=epochs, batch_size=16,
-                        checkpoint_every=1)
+                        checkpoint_every=1, model=model)
     eng = Engine(algo, fed_data, train, EvalConfig(every=every), seed=1, executor_kind=executor,
                  checkpoint=checkpoint, callbacks=list(callbacks), fingerprint="test")
     return eng.run()
@@ -112,6 +113,47 @@ def test_stacked_equals_sequential(fed_data, method, overrides):
     assert seq.rounds["bytes_up"].tolist() == stk.rounds["bytes_up"].tolist()
     assert_trees_close(seq.global_params, stk.global_params, atol=1e-5)
     assert_trees_close(seq.client_states, stk.client_states, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedkper", "local"])
+def test_stacked_equals_sequential_with_batchnorm(fed_data, method):
+    """BatchNorm statistics are per client (stacked) and ignore the padded samples of partial
+    batches: the stacked executor matches the sequential one on a BN model too (normalising by
+    batch statistics amplifies float rounding, hence 1e-4 on parameters instead of 1e-5)."""
+    seq = _run(fed_data, method, "sequential", model="cnn4bn")
+    stk = _run(fed_data, method, "stacked", model="cnn4bn")
+    pd_ = pytest.importorskip("pandas")
+    pd_.testing.assert_frame_equal(_metrics(seq), _metrics(stk))
+    assert_trees_close(seq.global_params, stk.global_params, atol=1e-4)
+    assert_trees_close(seq.client_states, stk.client_states, atol=1e-4)
+    g = seq.global_params
+    assert "bn1.running_mean" in g and g["bn1.num_batches_tracked"].dtype == torch.int64
+    if method == "local":
+        rm = seq.client_states["params"]["bn1.running_mean"]
+        trained = sorted({int(c) for s in seq.rounds["sampled_clients"] for c in s.split()})
+        assert not torch.allclose(rm[trained[0]], rm[trained[1]])  # each client its own statistics
+    else:
+        assert g["bn1.num_batches_tracked"].item() > 0 and g["bn1.running_var"].mean().item() != 1.0
+
+
+def test_masked_batchnorm_matches_torch_and_ignores_padding():
+    from medpfl.models.cnn import MaskedBatchNorm2d
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 3, 4, 4)
+    ref, ours = torch.nn.BatchNorm2d(3).train(), MaskedBatchNorm2d(3).train()
+    torch.testing.assert_close(ours(x, torch.ones(6, dtype=torch.bool)), ref(x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.running_var, ref.running_var)
+    # padded rows (mask False) change neither the output of the real rows nor the statistics
+    a, b = MaskedBatchNorm2d(3).train(), MaskedBatchNorm2d(3).train()
+    padded = torch.cat([x[:4], 1e3 * torch.randn(2, 3, 4, 4)])
+    y = a(padded, torch.tensor([True] * 4 + [False] * 2))
+    torch.testing.assert_close(y[:4], b(x[:4], torch.ones(4, dtype=torch.bool)))
+    torch.testing.assert_close(a.running_mean, b.running_mean)
+    # an all-padding step leaves the statistics alone
+    before = a.running_mean.clone()
+    a(padded, torch.zeros(6, dtype=torch.bool))
+    assert torch.equal(a.running_mean, before) and a.num_batches_tracked.item() == 1
 
 
 def test_stacked_handles_unequal_client_sizes_exactly(fed_data):

@@ -111,7 +111,7 @@ class TrainConfig(_Strict):
     batch_size: int = Field(12, ge=1)
     optimizer: OptimizerConfig = OptimizerConfig()
     sampling: SamplingConfig = SamplingConfig()
-    model: Literal["cnn4"] = "cnn4"
+    model: Literal["cnn4", "cnn4bn"] = "cnn4"
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
     executor: Literal["auto", "sequential", "stacked"] = "auto"
     precision: Literal["fp32", "bf16"] = Field("fp32", description="bf16: autocast the local forward/backward")

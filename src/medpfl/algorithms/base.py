@@ -32,7 +32,8 @@ class MethodConfig(BaseModel):
 class Algorithm:
     """Base class. Subclasses set ``name``, ``Config`` and override what they change.
 
-    forward: ``forward(params, x) -> logits`` (float [B, C]); num_classes: C.
+    forward: :class:`medpfl.fl.functional.FunctionalModel`, ``forward(state, x) -> logits``
+    (float [B, C]; evaluation mode unless ``train=True``); num_classes: C.
     """
 
     name: ClassVar[str] = ""
@@ -81,7 +82,12 @@ class Algorithm:
         """The local objective on one batch: ``batch["x"]`` float [B, C, H, W], ``batch["y"]``
         int64 [B], ``batch["w"]`` float [B] (1/b on the b valid samples, 0 on padding).
         Default: cross-entropy (FedAvg)."""
-        return weighted_ce(self.forward(params, batch["x"]), batch["y"], batch["w"])
+        return weighted_ce(self.train_forward(params, batch), batch["y"], batch["w"])
+
+    def train_forward(self, params: Params, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Logits of the model being trained on ``batch`` (training mode: BatchNorm uses and
+        updates batch statistics over the real samples, ``w > 0``)."""
+        return self.forward(params, batch["x"], train=True, mask=batch["w"] > 0)
 
     def max_grad_norm(self) -> float | None:
         """Clip each local step's gradient to this global L2 norm (None: no clipping)."""

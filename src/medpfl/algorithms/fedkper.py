@@ -100,7 +100,7 @@ class FedKPer(Algorithm):
             return {"teacher_logits": self.forward(ctx["teacher"], x)}
 
     def local_loss(self, params: Params, ctx: dict[str, Any], batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits = self.forward(params, batch["x"])
+        logits = self.train_forward(params, batch)
         if not self.cfg.use_kd:
             return weighted_ce(logits, batch["y"], batch["w"])
         loss, _, _ = adaptive_kd_loss(logits, batch["teacher_logits"], batch["y"], batch["w"],

@@ -31,6 +31,6 @@ class FedProx(Algorithm):
         return {"global": received["params"]}
 
     def local_loss(self, params: Params, ctx: dict[str, Any], batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        ce = weighted_ce(self.forward(params, batch["x"]), batch["y"], batch["w"])
-        prox = sum(torch.sum((p - ctx["global"][k].detach()) ** 2) for k, p in params.items())
+        ce = weighted_ce(self.train_forward(params, batch), batch["y"], batch["w"])
+        prox = sum(torch.sum((params[k] - ctx["global"][k].detach()) ** 2) for k in self.forward.trainable)
         return ce + 0.5 * self.cfg.mu * prox

@@ -32,7 +32,7 @@ from medpfl.config import EvalConfig, TrainConfig, canonical_json
 from medpfl.data.schemas import EvalRecords, RoundLog, validate
 from medpfl.fl.data import FederatedData
 from medpfl.fl.evaluation import eval_groups, records_from_counts
-from medpfl.fl.functional import Params, payload_nbytes
+from medpfl.fl.functional import Params, model_state, payload_nbytes
 from medpfl.fl.sampling import client_schedule
 from medpfl.fl.tree import tree_index, tree_repeat, tree_scatter
 from medpfl.io import atomic_path
@@ -131,7 +131,7 @@ class Engine:
     def initial_params(self) -> Params:
         torch.manual_seed(self.seed)
         model = build_model(self.train.model, self.data.in_channels, self.data.num_classes, self.data.image_size)
-        return {k: v.detach().to(self.data.device) for k, v in model.named_parameters()}
+        return {k: v.to(self.data.device) for k, v in model_state(model).items()}
 
     def _sync(self):
         if self.data.device.type == "cuda":

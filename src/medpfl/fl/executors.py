@@ -59,10 +59,10 @@ class SequentialExecutor:
         plan = batch_plan(n, bs, self.train.local_epochs, self.seed, round_idx, client).to(data.device)
         steps_per_epoch = -(-n // bs)
         last = n - (steps_per_epoch - 1) * bs
-        buf = {k: torch.zeros_like(v) for k, v in params.items()}
-        for v in params.values():
-            v.requires_grad_(True)
-        names = list(params)
+        names = list(algo.forward.trainable)
+        buf = {k: torch.zeros_like(params[k]) for k in names}
+        for k in names:
+            params[k].requires_grad_(True)
         clip = algo.max_grad_norm()
         for s in range(plan.shape[0]):
             nv = last if s % steps_per_epoch == steps_per_epoch - 1 else bs
@@ -77,7 +77,7 @@ class SequentialExecutor:
             g = dict(zip(names, torch.autograd.grad(loss, [params[k] for k in names])))
             if clip is not None:
                 g = clip_by_global_norm(g, clip)
-            sgd_step_(params, g, buf, lr, opt.momentum, opt.weight_decay)
+            sgd_step_({k: params[k] for k in names}, g, buf, lr, opt.momentum, opt.weight_decay)
         params = {k: v.detach() for k, v in params.items()}
         info = {"num_samples": torch.tensor(float(n), device=data.device), "label_hist": data.train_hist[client]}
         if algo.needs_train_accuracy:

@@ -16,13 +16,41 @@ from torch.func import functional_call
 Params = dict[str, torch.Tensor]
 
 
-def make_forward(module: torch.nn.Module) -> Callable[[Params, torch.Tensor], torch.Tensor]:
-    """``forward(params, x) -> logits`` over a template module (its own weights are ignored)."""
+class FunctionalModel:
+    """``forward(state, x, train=False, mask=None) -> logits`` over a template module whose own
+    weights are ignored (build it on the "meta" device).
 
-    def forward(params: Params, x: torch.Tensor) -> torch.Tensor:
-        return functional_call(module, params, (x,))
+    ``state`` holds the module's parameters and buffers (BatchNorm running statistics) by
+    name; in training mode BatchNorm updates the buffers of ``state`` in place, so each
+    client's statistics live in its own state (stacked along the client dimension in the
+    stacked executor). ``trainable`` names the parameters SGD updates; the other entries are
+    buffers, carried, uploaded and averaged with the parameters. ``mask`` (bool [B]) marks the
+    real samples of a padded batch for BatchNorm statistics.
+    """
 
-    return forward
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.trainable = tuple(name for name, _ in module.named_parameters())
+        self.buffers = tuple(name for name, _ in module.named_buffers())
+
+    def __call__(self, state: Params, x: torch.Tensor, train: bool = False,
+                 mask: torch.Tensor | None = None) -> torch.Tensor:
+        self.module.train(train)
+        if mask is None or not self.buffers:
+            return functional_call(self.module, state, (x,))
+        return functional_call(self.module, state, (x,), {"mask": mask})
+
+
+def make_forward(module: torch.nn.Module) -> FunctionalModel:
+    """The functional form of ``module`` (see :class:`FunctionalModel`)."""
+    return FunctionalModel(module)
+
+
+def model_state(module: torch.nn.Module) -> Params:
+    """Detached copies of a module's parameters and buffers, by name (the engine's model state)."""
+    out = {k: v.detach().clone() for k, v in module.named_parameters()}
+    out.update({k: v.detach().clone() for k, v in module.named_buffers()})
+    return out
 
 
 def weighted_ce(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -70,8 +98,8 @@ def sgd_step_(params: Params, grads: Params, momentum_buf: Params, lr: float, mo
         else:
             a = active.view(-1, *([1] * (p.dim() - 1)))
             keep = (1.0 - a) + a * momentum  # 1 for padded steps, momentum for active ones
-            b.mul_(keep).add_(d * a)
-            p.add_(b * a, alpha=-lr)
+            b.mul_(keep).addcmul_(d, a)  # in place: no parameter-sized temporaries
+            p.addcmul_(b, a, value=-lr)
 
 
 def payload_nbytes(obj: Any) -> int:
@@ -95,9 +123,14 @@ def clone_params(p: Params) -> Params:
 
 
 def weighted_average(stacked: Params, weights: torch.Tensor) -> Params:
-    """``sum_k weights[k] * stacked[name][k]`` for every tensor; weights float [m] summing to 1."""
+    """``sum_k weights[k] * stacked[name][k]`` for every tensor; weights float [m] summing to 1.
+    Integer tensors (BatchNorm's ``num_batches_tracked``) are averaged in float64 and rounded."""
     out = {}
     for k, v in stacked.items():
-        w = weights.to(v.dtype).view(-1, *([1] * (v.dim() - 1)))
-        out[k] = torch.sum(w * v, dim=0)
+        if v.is_floating_point():
+            w = weights.to(v.dtype).view(-1, *([1] * (v.dim() - 1)))
+            out[k] = torch.sum(w * v, dim=0)
+        else:
+            w = weights.to(torch.float64).view(-1, *([1] * (v.dim() - 1)))
+            out[k] = torch.round(torch.sum(w * v.to(torch.float64), dim=0)).to(v.dtype)
     return out

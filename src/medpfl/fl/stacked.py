@@ -108,10 +108,10 @@ class StackedExecutor(SequentialExecutor):
         ctx = algo.context(received, states)
         ctx_dims = _dims(ctx, batched_ids)
         sctx = self._sample_context(algo, ctx, ctx_dims, ids)
-        buf = {k: torch.zeros_like(v) for k, v in params.items()}
-        names = list(params)
-        for v in params.values():
-            v.requires_grad_(True)
+        names = list(algo.forward.trainable)
+        buf = {k: torch.zeros_like(params[k]) for k in names}
+        for k in names:
+            params[k].requires_grad_(True)
         loss_fn = vmap(algo.local_loss, in_dims=(0, ctx_dims, 0))
         clip = algo.max_grad_norm()
         labels = data.labels
@@ -126,8 +126,9 @@ class StackedExecutor(SequentialExecutor):
             if clip is not None:
                 norm = torch.sqrt(sum(torch.sum(t.float().reshape(m, -1) ** 2, dim=1) for t in g.values()))
                 coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
-                g = {k: t * coef.view(-1, *([1] * (t.dim() - 1))) for k, t in g.items()}
-            sgd_step_(params, g, buf, lr, opt.momentum, opt.weight_decay, active=active[:, s])
+                for t in g.values():
+                    t.mul_(coef.view(-1, *([1] * (t.dim() - 1))))
+            sgd_step_({k: params[k] for k in names}, g, buf, lr, opt.momentum, opt.weight_decay, active=active[:, s])
         params = {k: v.detach() for k, v in params.items()}
 
         info = {"num_samples": torch.as_tensor([float(len(g)) for g in groups], device=dev),

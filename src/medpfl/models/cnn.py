@@ -6,40 +6,86 @@ Layers for a 28x28 input: Conv(in, 32, 5, pad 2) -> ReLU -> MaxPool 2 -> Conv(32
 -> ReLU -> MaxPool 2 -> Flatten (64*7*7 = 3136) -> Linear(3136, 512) -> ReLU ("body" ends
 here; 512-d feature) -> ``classifier`` Linear(512, C) ("head"). No BatchNorm, no dropout.
 1,663,944 parameters for 3 channels and 8 classes. PyTorch default initialisation.
+
+``cnn4bn`` adds BatchNorm after each convolution (before the ReLU), the variant used by
+FedBN-style studies. Its BatchNorm takes an optional per-sample mask so that padded samples
+of a stacked mini-batch do not enter the batch statistics (:class:`MaskedBatchNorm2d`).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
+class MaskedBatchNorm2d(nn.BatchNorm2d):
+    """``BatchNorm2d`` whose training-mode statistics use only the samples where ``mask`` is
+    True (bool [B]). Without a mask it is exactly ``nn.BatchNorm2d``. With a mask: mean and
+    biased variance over the valid samples normalise the batch; the running statistics are
+    updated with the unbiased variance over ``n = valid samples * H * W`` values, as PyTorch
+    does; a batch with no valid sample leaves them (and ``num_batches_tracked``) unchanged.
+    Written with tensor operations only, so it runs under ``torch.func.vmap``.
+    """
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        if mask is None or not self.training:
+            return super().forward(x)
+        w = mask.to(x.dtype).view(-1, 1, 1, 1)
+        hw = x.shape[2] * x.shape[3]
+        n = w.sum() * hw
+        any_valid = (n > 0).to(x.dtype)
+        n_safe = torch.clamp(n, min=1.0)
+        mean = (x * w).sum(dim=(0, 2, 3)) / n_safe
+        var = (((x - mean.view(1, -1, 1, 1)) ** 2) * w).sum(dim=(0, 2, 3)) / n_safe
+        y = (x - mean.view(1, -1, 1, 1)) / torch.sqrt(var.view(1, -1, 1, 1) + self.eps)
+        y = y * self.weight.view(1, -1, 1, 1) + self.bias.view(1, -1, 1, 1)
+        with torch.no_grad():
+            m = self.momentum * any_valid
+            unbiased = var * n / torch.clamp(n - 1, min=1.0)
+            self.running_mean.mul_(1 - m).add_(mean.detach() * m)
+            self.running_var.mul_(1 - m).add_(unbiased.detach() * m)
+            self.num_batches_tracked.add_(any_valid.to(self.num_batches_tracked.dtype))
+        return y
+
+
 class CNN4(nn.Module):
-    """Input float [B, C, H, W] (normalised), output logits float [B, num_classes]."""
+    """Input float [B, C, H, W] (normalised), output logits float [B, num_classes].
+
+    ``mask`` (bool [B], optional) marks the real samples of a padded batch; only BatchNorm
+    (``batch_norm=True``) uses it."""
 
     head_prefix = "classifier."
 
-    def __init__(self, in_channels: int, num_classes: int, image_size: int = 28):
+    def __init__(self, in_channels: int, num_classes: int, image_size: int = 28, batch_norm: bool = False):
         super().__init__()
         self.conv1 = nn.Conv2d(in_channels, 32, kernel_size=5, padding=2)
         self.conv2 = nn.Conv2d(32, 64, kernel_size=5, padding=2)
+        self.bn1 = MaskedBatchNorm2d(32) if batch_norm else None
+        self.bn2 = MaskedBatchNorm2d(64) if batch_norm else None
         side = image_size // 4
         self.fc = nn.Linear(64 * side * side, 512)
         self.classifier = nn.Linear(512, num_classes)
 
-    def features(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.max_pool2d(torch.relu(self.conv1(x)), 2, 2)
-        x = torch.max_pool2d(torch.relu(self.conv2(x)), 2, 2)
-        return torch.relu(self.fc(x.flatten(1)))
+    def features(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.conv1(x)
+        if self.bn1 is not None:
+            x = self.bn1(x, mask)
+        x = F.max_pool2d(F.relu(x), 2, 2)
+        x = self.conv2(x)
+        if self.bn2 is not None:
+            x = self.bn2(x, mask)
+        x = F.max_pool2d(F.relu(x), 2, 2)
+        return F.relu(self.fc(x.flatten(1)))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.features(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.classifier(self.features(x, mask))
 
 
 def build_model(name: str, in_channels: int, num_classes: int, image_size: int) -> nn.Module:
     """Build a model by its params name (``train.model``). Raises ValueError for unknown names."""
-    if name == "cnn4":
+    if name in ("cnn4", "cnn4bn"):
         if image_size % 4:
-            raise ValueError(f"train.model=cnn4 needs an image side divisible by 4, got {image_size}")
-        return CNN4(in_channels, num_classes, image_size)
-    raise ValueError(f"train.model: unknown model {name!r}; known: cnn4")
+            raise ValueError(f"train.model={name} needs an image side divisible by 4, got {image_size}")
+        return CNN4(in_channels, num_classes, image_size, batch_norm=name == "cnn4bn")
+    raise ValueError(f"train.model: unknown model {name!r}; known: cnn4, cnn4bn")
