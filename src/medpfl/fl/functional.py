@@ -74,32 +74,24 @@ def clip_by_global_norm(grads: Params, max_norm: float) -> Params:
 
 
 @torch.no_grad()
-def sgd_step_(params: Params, grads: Params, momentum_buf: Params, lr: float, momentum: float, weight_decay: float,
-              active: torch.Tensor | None = None) -> None:
+def sgd_step_(params: Params, grads: Params, momentum_buf: Params, lr: float, momentum: float,
+              weight_decay: float) -> None:
     """One step of ``torch.optim.SGD`` (dampening 0, no Nesterov), in place:
     ``d = g + wd * w;  b = momentum * b + d;  w = w - lr * b``  (b starts at zero).
 
-    ``grads`` is overwritten. active: optional float tensor of 0/1 broadcastable to each
-    parameter with a leading client dim (stacked executor): where 0, parameter and buffer
-    are left unchanged (a padded step of a client with fewer batches than the others). For
-    active clients the arithmetic is the same as without a mask, so results are bit-identical.
+    ``grads`` is overwritten. Works unchanged on stacked tensors (leading client dim) and on
+    views of a stack's rows, which it updates in place.
     """
     for k, p in params.items():
         d = grads[k]
         if weight_decay:
             d.add_(p, alpha=weight_decay)
         b = momentum_buf[k]
-        if active is None:
-            if momentum:
-                b.mul_(momentum).add_(d)
-            else:
-                b.copy_(d)
-            p.add_(b, alpha=-lr)
+        if momentum:
+            b.mul_(momentum).add_(d)
         else:
-            a = active.view(-1, *([1] * (p.dim() - 1)))
-            keep = (1.0 - a) + a * momentum  # 1 for padded steps, momentum for active ones
-            b.mul_(keep).addcmul_(d, a)  # in place: no parameter-sized temporaries
-            p.addcmul_(b, a, value=-lr)
+            b.copy_(d)
+        p.add_(b, alpha=-lr)
 
 
 def payload_nbytes(obj: Any) -> int:

@@ -9,11 +9,13 @@ images resident on the device; the whole round's batch plan (identical to the se
 executor's, :func:`medpfl.fl.sampling.batch_plan`) is built before the first step, so there
 is no host synchronisation inside the local epochs.
 
-Clients with different data sizes are handled exactly: a client's partial last batch of an
-epoch carries per-sample weights ``1/b`` on its ``b`` real samples and 0 on padding, and a
-client that has run out of steps (fewer batches than the largest client) is masked out of
-the SGD update (parameters and momentum unchanged). The per-client arithmetic is therefore
-that of the sequential executor, up to float summation order.
+Clients with different data sizes are handled exactly: the clients are sorted by their number
+of local steps, so at every step those that still have batches are a prefix of the stack and
+the step runs on views of those rows only (a client that has finished is not touched, and no
+compute is spent on it); a client's partial last batch of an epoch carries per-sample weights
+``1/b`` on its ``b`` real samples and 0 on padding, and BatchNorm statistics use the real
+samples only. The per-client arithmetic is that of the sequential executor, up to float
+summation order.
 
 ``context`` leaves that are the very tensors of ``received`` are shared by all clients
 (``in_dims=None``: e.g. FedKPer's teacher runs as one ordinary batched forward); leaves taken
@@ -33,6 +35,7 @@ from medpfl.algorithms.base import Algorithm
 from medpfl.fl.executors import SequentialExecutor
 from medpfl.fl.functional import Params, sgd_step_
 from medpfl.fl.sampling import batch_plan
+from medpfl.fl.tree import tree_index
 
 
 def _leaves(tree: Any) -> list[torch.Tensor]:
@@ -46,6 +49,13 @@ def _dims(tree: Any, batched_ids: set[int]) -> Any:
     if isinstance(tree, dict):
         return {k: _dims(v, batched_ids) for k, v in tree.items()}
     return 0 if id(tree) in batched_ids else None
+
+
+def _rows(tree: Any, dims: Any, a: int) -> Any:
+    """The first ``a`` clients of the per-client leaves (dims 0); shared leaves unchanged."""
+    if isinstance(tree, dict):
+        return {k: _rows(v, dims[k], a) for k, v in tree.items()}
+    return tree[:a] if dims == 0 else tree
 
 
 def _pad_ids(groups: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,52 +96,66 @@ class StackedExecutor(SequentialExecutor):
                       lr: float, round_idx: int) -> tuple[Params, dict[str, Any], dict[str, Any]]:
         data, opt, bs, epochs = self.data, self.train.optimizer, self.train.batch_size, self.train.local_epochs
         dev, m = data.device, len(clients)
-        groups = [data.client_train[int(c)] for c in clients]
-        ids, _ = _pad_ids(groups)  # [m, n_max]
+        # Clients sorted by decreasing number of local steps: at step s the clients that still
+        # have batches are the first n_active[s] rows of the stack, so a step computes on views
+        # of exactly those rows (no padded steps, no masks, no host synchronisation).
+        sizes = [len(data.client_train[int(c)]) for c in clients]
+        steps_k = [epochs * -(-n // bs) for n in sizes]
+        order = sorted(range(m), key=lambda j: -steps_k[j])
+        order_t = torch.as_tensor(order, device=dev)
+        inverse = torch.empty_like(order_t)
+        inverse[order_t] = torch.arange(m, device=dev)
+        s_clients = [int(clients[j]) for j in order]
+        groups = [data.client_train[c] for c in s_clients]
+        steps = steps_k[order[0]]
+        n_active = [sum(1 for j in order if steps_k[j] > s) for s in range(steps)]
 
-        # The round's batch plan for every client, padded to the longest client: [m, S, B].
-        plans = [batch_plan(len(g), bs, epochs, self.seed, round_idx, int(c)) for g, c in zip(groups, clients)]
-        steps = max(p.shape[0] for p in plans)
+        # The round's batch plan for every client (the sequential executor's), padded: [m, S, B].
         plan = torch.full((m, steps, bs), -1, dtype=torch.int64)
-        for j, p in enumerate(plans):
+        for j, (g, c) in enumerate(zip(groups, s_clients)):
+            p = batch_plan(len(g), bs, epochs, self.seed, round_idx, c)
             plan[j, : p.shape[0]] = p
         plan = plan.to(dev)
         valid = plan >= 0
-        nv = valid.sum(-1, keepdim=True)
-        weights = valid.to(torch.float32) / nv.clamp(min=1)
-        active = (nv.squeeze(-1) > 0).to(torch.float32)  # [m, S]
+        weights = valid.to(torch.float32) / valid.sum(-1, keepdim=True).clamp(min=1)  # 1/b on a batch's b samples
         pos = plan.clamp(min=0)
+        ids, _ = _pad_ids(groups)  # [m, n_max]
         sample_ids = torch.gather(ids.unsqueeze(1).expand(m, steps, ids.shape[1]), 2, pos)  # [m, S, B]
 
-        batched_ids = {id(t) for t in _leaves(states)}
-        params = self._shared_or_stacked(algo.start_params(received, states), m, batched_ids)
-        ctx = algo.context(received, states)
+        s_states = tree_index(states, order_t)
+        batched_ids = {id(t) for t in _leaves(s_states)}
+        params = self._shared_or_stacked(algo.start_params(received, s_states), m, batched_ids)
+        ctx = algo.context(received, s_states)
         ctx_dims = _dims(ctx, batched_ids)
         sctx = self._sample_context(algo, ctx, ctx_dims, ids)
         names = list(algo.forward.trainable)
         buf = {k: torch.zeros_like(params[k]) for k in names}
-        for k in names:
-            params[k].requires_grad_(True)
         loss_fn = vmap(algo.local_loss, in_dims=(0, ctx_dims, 0))
         clip = algo.max_grad_norm()
         labels = data.labels
         for s in range(steps):
-            sid = sample_ids[:, s]
-            batch = {"x": data.x(sid), "y": labels[sid], "w": weights[:, s]}
+            a = n_active[s]
+            # leaves sharing storage with the stack: in-place SGD and BatchNorm updates land in it
+            rows = {k: (v[:a].detach().requires_grad_() if k in buf else v[:a]) for k, v in params.items()}
+            sid = sample_ids[:a, s]
+            batch = {"x": data.x(sid), "y": labels[sid], "w": weights[:a, s]}
             for k, v in sctx.items():
-                batch[k] = torch.gather(v, 1, pos[:, s].view(m, bs, *([1] * (v.dim() - 2))).expand(m, bs, *v.shape[2:]))
+                idx = pos[:a, s].view(a, bs, *([1] * (v.dim() - 2))).expand(a, bs, *v.shape[2:])
+                batch[k] = torch.gather(v[:a], 1, idx)
             with self.autocast():
-                loss = loss_fn(params, ctx, batch).sum()
-            g = dict(zip(names, torch.autograd.grad(loss, [params[k] for k in names])))
+                loss = loss_fn(rows, _rows(ctx, ctx_dims, a), batch).sum()
+            g = dict(zip(names, torch.autograd.grad(loss, [rows[k] for k in names])))
             if clip is not None:
-                norm = torch.sqrt(sum(torch.sum(t.float().reshape(m, -1) ** 2, dim=1) for t in g.values()))
+                norm = torch.sqrt(sum(torch.sum(t.float().reshape(a, -1) ** 2, dim=1) for t in g.values()))
                 coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
                 for t in g.values():
                     t.mul_(coef.view(-1, *([1] * (t.dim() - 1))))
-            sgd_step_({k: params[k] for k in names}, g, buf, lr, opt.momentum, opt.weight_decay, active=active[:, s])
-        params = {k: v.detach() for k, v in params.items()}
+            sgd_step_({k: rows[k] for k in names}, g, {k: buf[k][:a] for k in names}, lr, opt.momentum,
+                      opt.weight_decay)
+        params = tree_index({k: v.detach() for k, v in params.items()}, inverse)  # back to schedule order
 
-        info = {"num_samples": torch.as_tensor([float(len(g)) for g in groups], device=dev),
+        groups = [data.client_train[int(c)] for c in clients]
+        info = {"num_samples": torch.as_tensor([float(n) for n in sizes], device=dev),
                 "label_hist": data.train_hist[torch.as_tensor(clients, device=dev)]}
         if algo.needs_train_accuracy:
             correct, count, _ = self.evaluate_models(algo, params, groups)
