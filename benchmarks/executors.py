@@ -138,6 +138,7 @@ def main() -> None:
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--executors", nargs="+", default=["sequential", "stacked"])
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--participation", type=float, nargs="+", default=[0.1, 1.0], help="part 1 participation rates")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -155,7 +156,7 @@ def main() -> None:
         data = FederatedData.build(blood, table, dev)
         print(f"\nPart 1: FedKPer round, BloodMNIST, K=20, {a.epochs} local epochs, batch 12, {a.rounds} rounds "
               f"(first excluded)\n{HEADER}")
-        for part in (0.1, 1.0):
+        for part in a.participation:
             rows = {}
             for ex in a.executors:
                 rows[ex] = run_one(data, ex, part, a.rounds, a.epochs, a.precision)

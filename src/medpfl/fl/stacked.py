@@ -58,6 +58,13 @@ def _rows(tree: Any, dims: Any, a: int) -> Any:
     return tree[:a] if dims == 0 else tree
 
 
+def _row0(tree: Any, dims: Any) -> Any:
+    """The first client's slice of the per-client leaves; shared leaves unchanged."""
+    if isinstance(tree, dict):
+        return {k: _row0(v, dims[k]) for k, v in tree.items()}
+    return tree[0] if dims == 0 else tree
+
+
 def _pad_ids(groups: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Index sets -> (ids int64 [m, L] padded with each set's first id, valid bool [m, L])."""
     lengths = torch.as_tensor([len(g) for g in groups], device=groups[0].device)
@@ -135,16 +142,24 @@ class StackedExecutor(SequentialExecutor):
         labels = data.labels
         for s in range(steps):
             a = n_active[s]
-            # leaves sharing storage with the stack: in-place SGD and BatchNorm updates land in it
-            rows = {k: (v[:a].detach().requires_grad_() if k in buf else v[:a]) for k, v in params.items()}
             sid = sample_ids[:a, s]
             batch = {"x": data.x(sid), "y": labels[sid], "w": weights[:a, s]}
             for k, v in sctx.items():
                 idx = pos[:a, s].view(a, bs, *([1] * (v.dim() - 2))).expand(a, bs, *v.shape[2:])
                 batch[k] = torch.gather(v[:a], 1, idx)
-            with self.autocast():
-                loss = loss_fn(rows, _rows(ctx, ctx_dims, a), batch).sum()
-            g = dict(zip(names, torch.autograd.grad(loss, [rows[k] for k in names])))
+            if a > 1:
+                # leaves sharing storage with the stack: in-place SGD and BatchNorm updates land in it
+                rows = {k: (v[:a].detach().requires_grad_() if k in buf else v[:a]) for k, v in params.items()}
+                with self.autocast():
+                    loss = loss_fn(rows, _rows(ctx, ctx_dims, a), batch).sum()
+                g = dict(zip(names, torch.autograd.grad(loss, [rows[k] for k in names])))
+            else:
+                # one client left (the long tail of an unbalanced round): the plain, unbatched step
+                one = {k: (v[0].detach().requires_grad_() if k in buf else v[0]) for k, v in params.items()}
+                with self.autocast():
+                    loss = algo.local_loss(one, _row0(ctx, ctx_dims), {k: v[0] for k, v in batch.items()})
+                g = {k: t.unsqueeze(0) for k, t in zip(names, torch.autograd.grad(loss, [one[k] for k in names]))}
+                rows = {k: one[k].unsqueeze(0) for k in names}
             if clip is not None:
                 norm = torch.sqrt(sum(torch.sum(t.float().reshape(a, -1) ** 2, dim=1) for t in g.values()))
                 coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
