@@ -70,8 +70,7 @@ def cmd_partition(a) -> None:
 def cmd_mlflow_init(a) -> None:
     from medpfl.tracking import init_study
 
-    params = _job(a.job) if a.job else {}
-    rec = init_study(a.study, a.experiment, Path(a.out), params=params)
+    rec = init_study(a.study, a.experiment, Path(a.out))
     print(f"MLflow: experiment {a.experiment} ({rec['experiment_id']}), parent run {rec['parent_run_id']} "
           f"in {rec['tracking_uri']}")
 
@@ -164,7 +163,6 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("mlflow-init", help="create the MLflow store, experiment and the study's parent run")
     s.add_argument("--study", required=True)
     s.add_argument("--experiment", required=True)
-    s.add_argument("--job", help="JSON of the study's params, logged on the parent run")
     s.add_argument("--out", required=True)
     s.set_defaults(fn=cmd_mlflow_init)
 

@@ -86,8 +86,8 @@ def git_commit(cwd: Path | None = None) -> str:
         return "unknown"
 
 
-def init_study(study: str, experiment: str, out: Path, params: dict[str, Any] | None = None,
-               uri: str | None = None, artifact_root: Path | None = None) -> dict:
+def init_study(study: str, experiment: str, out: Path, uri: str | None = None,
+               artifact_root: Path | None = None) -> dict:
     """Create (or reuse) the store, the experiment and a parent run for ``study``; write ``out``.
 
     The parent depends only on the study and experiment names (so editing a parameter or
@@ -107,12 +107,6 @@ def init_study(study: str, experiment: str, out: Path, params: dict[str, Any] | 
         exp_id = exp.experiment_id
     tags = {"study": study, "git_commit": git_commit(), "medpfl.role": "study"}
     run = client.create_run(exp_id, run_name=study, tags=tags)
-    if params:
-        from mlflow.entities import Param
-
-        flat = flatten(params)
-        client.log_batch(run.info.run_id, params=[Param(k, str(v)[:6000]) for k, v in flat.items()])
-        client.log_dict(run.info.run_id, params, "config/params.json")
     client.set_terminated(run.info.run_id, "FINISHED")
     record = {"tracking_uri": uri, "experiment_id": exp_id, "parent_run_id": run.info.run_id, "study": study,
               "experiment": experiment, "mlflow_version": mlflow.__version__}
