@@ -25,23 +25,19 @@ from medpfl.metrics import summarize_run  # noqa: E402
 def client_table(records: pd.DataFrame, num_clients: int) -> pd.DataFrame:
     """Per client: local test size, times sampled, mean accuracy after local training, and
     the final-round accuracy of the global and personalized models on its local test split."""
-    rows = []
-    la = records[records["view"] == "local_after_training"]
-    for c in range(num_clients):
-        row = {"client_id": c}
-        mine = la[la["client_id"] == c]
-        row["times_sampled"] = int(len(mine))
-        row["local_after_training_acc_mean"] = float(mine["accuracy"].mean()) if len(mine) else None
-        row["local_after_training_bal_acc_mean"] = float(mine["balanced_accuracy"].mean()) if len(mine) else None
-        for view, name in (("global_on_local", "final_global_model_acc"), ("personalized_on_local", "final_personalized_acc")):
-            v = records[(records["view"] == view) & (records["client_id"] == c)]
-            if len(v):
-                last = v[v["round"] == v["round"].max()].iloc[0]
-                row[name] = float(last["accuracy"])
-                row[name.replace("_acc", "_bal_acc")] = float(last["balanced_accuracy"])
-                row["local_test_size"] = int(last["n_samples"])
-        rows.append(row)
-    return pd.DataFrame(rows)
+    out = pd.DataFrame({"client_id": range(num_clients)}).set_index("client_id")
+    la = records[records["view"] == "local_after_training"].groupby("client_id")
+    out["times_sampled"] = la.size().reindex(out.index, fill_value=0)
+    out["local_after_training_acc_mean"] = la["accuracy"].mean()
+    out["local_after_training_bal_acc_mean"] = la["balanced_accuracy"].mean()
+    for view, name in (("global_on_local", "final_global_model"), ("personalized_on_local", "final_personalized")):
+        v = records[records["view"] == view]
+        if len(v):
+            last = v[v["round"] == v["round"].max()].set_index("client_id")
+            out[f"{name}_acc"] = last["accuracy"]
+            out[f"{name}_bal_acc"] = last["balanced_accuracy"]
+            out["local_test_size"] = last["n_samples"]
+    return out.reset_index()
 
 
 def run_curves(per: pd.DataFrame, out: Path, title: str) -> None:

@@ -135,12 +135,11 @@ def summarize_run(records: pd.DataFrame, rounds: pd.DataFrame, num_clients: int,
         mat = gl.pivot(index="round", columns="client_id", values="accuracy").reindex(columns=range(num_clients))
         eval_rounds = mat.index.to_numpy()
         sampled_since = np.zeros((len(eval_rounds), num_clients), dtype=bool)
+        sampled = {int(r): [int(c) for c in str(s).split()] for r, s in zip(rounds["round"], rounds["sampled_clients"])}
         prev = -1
         for i, r in enumerate(eval_rounds):
             for rr in range(prev + 1, r + 1):
-                row = rounds.loc[rounds["round"] == rr, "sampled_clients"]
-                if len(row):
-                    sampled_since[i, [int(c) for c in str(row.iloc[0]).split()]] = True
+                sampled_since[i, sampled.get(rr, [])] = True
             prev = r
         b = backward_transfer(mat.to_numpy(), sampled_since)
         bwt = pd.Series(b, index=eval_rounds).reindex(r_all).to_numpy()

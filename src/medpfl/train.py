@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from medpfl.algorithms import resolve_method
-from medpfl.config import EvalConfig, ParamsError, TrainConfig
+from medpfl.config import EvalConfig, TrainConfig
 from medpfl.data.partition import PartitionError
 from medpfl.data.preprocess import load_processed
 from medpfl.data.schemas import PartitionTable, validate
@@ -119,5 +119,3 @@ def run_training(job: dict, arrays: Path, samples: Path, partition_table: Path, 
         logger.finish("FINISHED")
     ckpt.unlink(missing_ok=True)
 
-
-__all__ = ["run_training", "round_scalars", "ParamsError"]

@@ -18,7 +18,7 @@ from medpfl.algorithms.base import Algorithm
 from medpfl.config import TrainConfig
 from medpfl.fl.data import FederatedData
 from medpfl.fl.evaluation import accuracy, eval_groups
-from medpfl.fl.functional import Params, clip_by_global_norm, sgd_step_
+from medpfl.fl.functional import Params, clip_by_global_norm_, sgd_step_
 from medpfl.fl.sampling import batch_plan
 from medpfl.fl.tree import tree_index, tree_map, tree_stack
 
@@ -76,7 +76,7 @@ class SequentialExecutor:
                 loss = algo.local_loss(params, ctx, batch)
             g = dict(zip(names, torch.autograd.grad(loss, [params[k] for k in names])))
             if clip is not None:
-                g = clip_by_global_norm(g, clip)
+                clip_by_global_norm_(g, clip)
             sgd_step_({k: params[k] for k in names}, g, buf, lr, opt.momentum, opt.weight_decay)
         params = {k: v.detach() for k, v in params.items()}
         info = {"num_samples": torch.tensor(float(n), device=data.device), "label_hist": data.train_hist[client]}

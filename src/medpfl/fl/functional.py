@@ -62,15 +62,18 @@ def weighted_ce(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch
     return torch.sum(w * F.cross_entropy(logits, y, reduction="none"))
 
 
-def global_norm(grads: Params) -> torch.Tensor:
-    """L2 norm over all gradient tensors (``torch.nn.utils.clip_grad_norm_``'s total norm)."""
-    return torch.sqrt(sum(torch.sum(g.float() ** 2) for g in grads.values()))
-
-
-def clip_by_global_norm(grads: Params, max_norm: float) -> Params:
-    """Scale ``grads`` by ``min(1, max_norm / (norm + 1e-6))`` (PyTorch ``clip_grad_norm_``)."""
-    coef = torch.clamp(max_norm / (global_norm(grads) + 1e-6), max=1.0)
-    return {k: g * coef for k, g in grads.items()}
+def clip_by_global_norm_(grads: Params, max_norm: float, stacked: bool = False) -> None:
+    """Scale ``grads`` in place by ``min(1, max_norm / (norm + 1e-6))``, the L2 norm over all
+    gradient tensors (PyTorch ``clip_grad_norm_``). ``stacked``: the leading dim is the client
+    and each client's gradients are clipped by their own norm."""
+    if stacked:
+        m = next(iter(grads.values())).shape[0]
+        norm = torch.sqrt(sum(torch.sum(g.float().reshape(m, -1) ** 2, dim=1) for g in grads.values()))
+    else:
+        norm = torch.sqrt(sum(torch.sum(g.float() ** 2) for g in grads.values()))
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads.values():
+        g.mul_(coef.view(-1, *([1] * (g.dim() - 1))) if stacked else coef)
 
 
 @torch.no_grad()

@@ -33,7 +33,7 @@ from torch.func import vmap
 
 from medpfl.algorithms.base import Algorithm
 from medpfl.fl.executors import SequentialExecutor
-from medpfl.fl.functional import Params, sgd_step_
+from medpfl.fl.functional import Params, clip_by_global_norm_, sgd_step_
 from medpfl.fl.sampling import batch_plan
 from medpfl.fl.tree import tree_index
 
@@ -161,10 +161,7 @@ class StackedExecutor(SequentialExecutor):
                 g = {k: t.unsqueeze(0) for k, t in zip(names, torch.autograd.grad(loss, [one[k] for k in names]))}
                 rows = {k: one[k].unsqueeze(0) for k in names}
             if clip is not None:
-                norm = torch.sqrt(sum(torch.sum(t.float().reshape(a, -1) ** 2, dim=1) for t in g.values()))
-                coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
-                for t in g.values():
-                    t.mul_(coef.view(-1, *([1] * (t.dim() - 1))))
+                clip_by_global_norm_(g, clip, stacked=True)
             sgd_step_({k: rows[k] for k in names}, g, {k: buf[k][:a] for k in names}, lr, opt.momentum,
                       opt.weight_decay)
         params = tree_index({k: v.detach() for k, v in params.items()}, inverse)  # back to schedule order
