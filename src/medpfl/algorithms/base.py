@@ -9,6 +9,8 @@ A method does not own the loop, the data, the device, the optimizer or the loggi
     every sampled client (``shared``) and to each one (``per_client``, leading dim m).
   - ``aggregate(server, uploads, clients, rnd)``: the next server state from the stacked uploads.
   - ``global_model(server)``: the single global model scored on the global test set, if any.
+  - ``training_clients(sampled, K, rnd)``: who trains this round (default: the sampled clients;
+    pFedMe: every client trains, only the sampled ones are aggregated).
 
 **Client** (per client; the stacked executor runs them under ``torch.func.vmap``, the sequential
 one calls them plainly, so write them for one client with tensor ops only):
@@ -28,6 +30,9 @@ one calls them plainly, so write them for one client with tensor ops only):
     the server (checked against ``upload_spec()``), what the client keeps, and the model its local
     test split scores right after training (``local_after_training``).
   - ``personalized_model(state, server)``: each client's deployable model (personalized methods).
+  - ``adaptation_phases(rnd)``: phases run at evaluation on every client's local train split
+    from its personalized model before it is scored (Per-FedAvg's one-step adaptation); the
+    client's state is not changed.
   - ``predict(model, x)``: logits of an evaluated model (FedRoD's two heads, APFL's mixture).
 
 **Capabilities** (properties; may depend on the config): ``aggregates`` (the server combines
@@ -46,6 +51,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict
 
@@ -121,6 +127,14 @@ class Algorithm:
         n = uploads["num_samples"].to(torch.float64)
         return {**server, "model": weighted_average(uploads["model"], n / n.sum())}
 
+    def training_clients(self, sampled: np.ndarray, num_clients: int, rnd: RoundInfo) -> np.ndarray:
+        """The clients that run their local program this round (int64 [m'], sorted, containing
+        every sampled client). Default: the sampled clients. Only the sampled clients' uploads
+        are aggregated (and counted in ``bytes_up``); every trained client receives the download
+        (counted in ``bytes_down``) and keeps its new state. pFedMe (Dinh et al. 2020, Alg. 1):
+        all clients train, a subset is aggregated."""
+        return sampled
+
     def global_model(self, server: dict[str, Any]) -> Params | None:
         """The model scored on the global test set (None where ``has_global_model`` is false)."""
         return server["model"] if self.has_global_model else None
@@ -190,6 +204,14 @@ class Algorithm:
     def personalized_model(self, state: dict[str, Any], server: dict[str, Any]) -> Any:
         """A client's personalized model (only called when ``personalized``)."""
         raise NotImplementedError(f"method {self.name!r} declares personalized but has no personalized_model")
+
+    def adaptation_phases(self, rnd: RoundInfo) -> list[Phase]:
+        """Phases run at every evaluation round on each client's local train split, starting from
+        its ``personalized_model`` (trained tree ``"model"``), before the adapted copy is scored
+        on the local test split (``personalized_on_local``); the client's state is not changed.
+        Default: none. Per-FedAvg (Fallah et al. 2020, Sec. 5): one step of the meta-learned
+        initialisation on local data before it is evaluated."""
+        return []
 
     def predict(self, model: Any, x: torch.Tensor) -> torch.Tensor:
         """Logits (float [B, C]) of an evaluated model (evaluation mode). Default: the model state's forward."""

@@ -55,7 +55,7 @@ class EvalRecords(pa.DataFrameModel):
 
     view: ``global_test`` (global model, global test set; client_id -1),
     ``global_on_local`` (global model, each client's local test split),
-    ``local_after_training`` (a sampled client's model right after local training, its local
+    ``local_after_training`` (the model of a client that trained this round, right after local training, its local
     test split), ``personalized_on_local`` (each client's personalized model, its local test
     split), ``local_on_global_test`` (a client's own model on the global test set; Local only,
     final round).

@@ -3,14 +3,16 @@ timing, communication accounting and checkpoints; the algorithm only declares it
 (:class:`medpfl.algorithms.base.Algorithm`); the executor runs local training.
 
 Round r:
-  1. the pre-sampled clients S_r (shared by every method) receive ``algo.download(server, S_r)``;
+  1. the pre-sampled clients S_r (shared by every method) receive ``algo.download(server, S_r)``
+     (or every client the method trains, ``algo.training_clients``; only S_r is aggregated);
   2. the executor runs their local programs (lr = lr0 * lr_decay^r, fresh momentum each phase)
      and returns the models to score, the uploads and the new persistent client states;
   3. each client's model is scored on its local test split (``local_after_training``);
   4. the uploads are checked against the method's declared ``upload_spec`` (the privacy
      boundary); the server aggregates them (``algo.aggregate``) into its next state;
   5. on evaluation rounds: the global model (where the method has one) on the global test set
-     and on every local test split, and each personalized model on its local test split;
+     and on every local test split, and each personalized model on its local test split (after
+     the method's ``adaptation_phases`` on the local train split, where it declares some);
   6. bytes up (the uploads as sent, compressed where they are) and down (the shared download
      once per recipient plus every per-client row) and wall time are logged; server and client
      states are checkpointed atomically every ``checkpoint_every`` rounds.
@@ -36,13 +38,40 @@ from medpfl.fl.data import FederatedData
 from medpfl.fl.evaluation import eval_groups, records_from_counts
 from medpfl.fl.functional import Params, model_state
 from medpfl.fl.payload import PrivacyError, check_upload, payload_nbytes
-from medpfl.fl.program import RoundInfo
+from medpfl.fl.program import Download, Phase, RoundInfo
 from medpfl.fl.sampling import client_schedule
 from medpfl.fl.tree import tree_index, tree_leaves, tree_scatter, tree_stack
 from medpfl.io import atomic_path
 from medpfl.models import build_model
 
 log = logging.getLogger(__name__)
+
+
+class _Adaptation(Algorithm):
+    """The evaluation-time program of a method (``adaptation_phases``) as an algorithm the
+    executors run like a round: each client starts from its personalized model (per-client
+    download ``"model"``), runs the phases on its local train split and returns the adapted
+    model; nothing is uploaded and no state is kept."""
+
+    def __init__(self, algo: Algorithm):
+        super().__init__(algo.cfg, algo.forward, algo.num_classes)
+        self.inner = algo
+        self.name = f"{algo.name}:adaptation"
+
+    def begin(self, received, state, info, rnd):
+        return {"model": received["model"]}, {}
+
+    def phases(self, rnd: RoundInfo) -> list[Phase]:
+        return self.inner.adaptation_phases(rnd)
+
+    def local_loss(self, trees, ctx, batch):
+        return self.inner.local_loss(trees, ctx, batch)
+
+    def finish(self, trees, ctx, state, info, rnd):
+        return {}, state, trees["model"]
+
+    def predict(self, model, x):
+        return self.inner.predict(model, x)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -158,17 +187,21 @@ class Engine:
             cidx = torch.as_tensor(clients, device=data.device)
             rnd = RoundInfo(round=r, rounds=self.train.rounds, lr=opt.lr * opt.lr_decay**r, num_clients=k, seed=self.seed,
                             base_lr=opt.lr)
-            down = algo.download(server, cidx, rnd)
+            trainers, agg_pos = self._training_clients(clients, rnd)
+            tidx = torch.as_tensor(trainers, device=data.device)
+            down = algo.download(server, tidx, rnd)
             for leaf in tree_leaves(down.per_client):
-                if leaf.shape[:1] != (m,):
+                if leaf.shape[:1] != (len(trainers),):
                     raise ValueError(f"method {algo.name!r}: a per-client download leaf has shape {tuple(leaf.shape)}; "
-                                     f"its leading dim must be the {m} sampled clients")
-            models, uploads, new_states = ex.train_clients(algo, down, tree_index(client_states, cidx), clients, rnd)
+                                     f"its leading dim must be the {len(trainers)} clients that train this round")
+            models, uploads, new_states = ex.train_clients(algo, down, tree_index(client_states, tidx), trainers, rnd)
             self._sync()
             t1 = time.perf_counter()
-            new_records = records_from_counts(r, "local_after_training", clients.tolist(),
-                                              *ex.evaluate_models(algo, models, [data.client_test[c] for c in clients]))
-            client_states = tree_scatter(client_states, cidx, new_states)
+            new_records = records_from_counts(r, "local_after_training", trainers.tolist(),
+                                              *ex.evaluate_models(algo, models, [data.client_test[c] for c in trainers]))
+            client_states = tree_scatter(client_states, tidx, new_states)
+            if agg_pos is not None:  # only the sampled clients send (and are aggregated)
+                uploads = tree_index(uploads, torch.as_tensor(agg_pos, device=data.device))
             check_upload(algo.name, algo.upload_spec(), uploads, m)
             if algo.aggregates:
                 server = algo.aggregate(server, uploads, cidx, rnd)
@@ -182,7 +215,8 @@ class Engine:
                 "sampled_clients": " ".join(map(str, clients.tolist())),
                 "num_sampled": m,
                 "bytes_up": payload_nbytes(uploads),
-                "bytes_down": (k if down.to_all else m) * payload_nbytes(down.shared) + payload_nbytes(down.per_client),
+                "bytes_down": (k if down.to_all else len(trainers)) * payload_nbytes(down.shared)
+                + payload_nbytes(down.per_client),
                 "train_seconds": t1 - t0,
                 "eval_seconds": t2 - t1,
                 "round_seconds": t2 - t0,
@@ -200,6 +234,35 @@ class Engine:
         return RunResult(rec, rnd_log, server, algo.global_model(server) if algo.has_global_model else None,
                          client_states, personal, resumed_from=start if state else 0)
 
+    def _training_clients(self, sampled: np.ndarray, rnd: RoundInfo) -> tuple[np.ndarray, np.ndarray | None]:
+        """``(clients that train, positions of the sampled ones among them)``; positions None when
+        only the sampled clients train. Raises ValueError when the method's choice is not a sorted
+        set of valid client ids containing every sampled client."""
+        trainers = np.asarray(self.algo.training_clients(sampled, self.data.num_clients, rnd), dtype=np.int64)
+        if trainers.shape == sampled.shape and np.array_equal(trainers, sampled):
+            return sampled, None
+        ok = (trainers.ndim == 1 and np.all(np.diff(trainers) > 0) and trainers.min(initial=0) >= 0
+              and trainers.max(initial=0) < self.data.num_clients and np.isin(sampled, trainers).all())
+        if not ok:
+            raise ValueError(f"method {self.algo.name!r}: training_clients must return sorted, distinct client ids in "
+                             f"[0, {self.data.num_clients}) that include every sampled client; got {trainers.tolist()}")
+        return trainers, np.searchsorted(trainers, sampled)
+
+    def _adapted(self, models: Any, r: int) -> Any:
+        """Every client's personalized model after the method's ``adaptation_phases`` on its local
+        train split (stacked [K]); ``models`` unchanged when it declares none."""
+        algo = self.algo
+        opt = self.train.optimizer
+        rnd = RoundInfo(round=r, rounds=self.train.rounds, lr=opt.lr * opt.lr_decay**r, num_clients=self.data.num_clients,
+                        seed=self.seed, base_lr=opt.lr)
+        if not algo.adaptation_phases(rnd):
+            return models
+        everyone = np.arange(self.data.num_clients, dtype=np.int64)
+        adapt = _Adaptation(algo)
+        out, _, _ = self.executor.train_clients(adapt, Download(per_client={"model": models}),
+                                                tree_stack([{} for _ in everyone]), everyone, rnd)
+        return out
+
     def _evaluate(self, server: dict[str, Any], client_states: dict[str, Any], r: int) -> list[dict]:
         algo, data, bs = self.algo, self.data, self.eval.batch_size
         out: list[dict] = []
@@ -211,7 +274,7 @@ class Engine:
             out += records_from_counts(r, "global_on_local", list(range(k)),
                                        *eval_groups(algo.predict, gm, data, data.client_test, bs))
         if algo.personalized:
-            pm = self.executor.personalized_models(algo, client_states, server)
+            pm = self._adapted(self.executor.personalized_models(algo, client_states, server), r)
             out += records_from_counts(r, "personalized_on_local", list(range(k)),
                                        *self.executor.evaluate_models(algo, pm, data.client_test))
             if r == self.train.rounds - 1 and not algo.has_global_model:

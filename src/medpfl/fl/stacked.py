@@ -34,7 +34,7 @@ from medpfl.algorithms.base import Algorithm
 from medpfl.fl.executors import SequentialExecutor, _grad
 from medpfl.fl.functional import clip_by_global_norm_, sgd_step_
 from medpfl.fl.program import Download, Pass, Phase, RoundInfo, pass_plan, phase_plan
-from medpfl.fl.tree import tree_clone, tree_index, tree_map
+from medpfl.fl.tree import tree_clone, tree_index, tree_leaves, tree_map
 
 
 def _rows(tree: Any, dims: Any, a: int) -> Any:
@@ -277,4 +277,8 @@ class StackedExecutor(SequentialExecutor):
         return correct, count, loss
 
     def personalized_models(self, algo: Algorithm, states: dict[str, Any], server: dict[str, Any]) -> Any:
+        if not tree_leaves(states):  # no per-client state (e.g. Per-FedAvg: the global model, adapted at evaluation)
+            k = self.data.num_clients
+            one = algo.personalized_model(states, server)
+            return tree_map(lambda t: t.unsqueeze(0).expand(k, *t.shape).clone(), one)
         return tree_clone(vmap(algo.personalized_model, in_dims=(0, None))(states, server))
