@@ -1,6 +1,6 @@
 """FedGKD (Yao et al., "FedGKD: Toward Heterogeneous Federated Learning via Global Knowledge
-Distillation", IEEE Trans. Computers 73, 3-17, 2023, as cited by pFedKD-WCL), as the pFedKD-WCL paper runs it
-as a baseline (Hu et al., Algorithms 2025, ``../shared/papers/003_*.txt`` §5; official code
+Distillation", IEEE Trans. Computers 73, 3-17, 2023, as pFedKD-WCL cites it), as the pFedKD-WCL
+paper runs it as a baseline (Hu et al., Algorithms 2025, ``../shared/papers/003_*.txt`` §5; official code
 HengruiH/pFedKD ``algorithms/fedgkd.py``; spec ``methods-pfedkdwcl-epfl.md`` A.2, A.4).
 
 Client: FedAvg-style local training (the engine's epochs) from the received global model on
