@@ -178,15 +178,13 @@ class Engine:
         else:
             server, client_states, records, rounds, start = state
             log.info("resuming from checkpoint %s at round %d", self.checkpoint, start)
-        opt = self.train.optimizer
         for r in range(start, self.train.rounds):
             self._sync()
             t0 = time.perf_counter()
             clients = self.schedule[r]
             m = len(clients)
             cidx = torch.as_tensor(clients, device=data.device)
-            rnd = RoundInfo(round=r, rounds=self.train.rounds, lr=opt.lr * opt.lr_decay**r, num_clients=k, seed=self.seed,
-                            base_lr=opt.lr)
+            rnd = self.round_info(r)
             trainers, agg_pos = self._training_clients(clients, rnd)
             tidx = torch.as_tensor(trainers, device=data.device)
             down = algo.download(server, tidx, rnd)
@@ -234,6 +232,12 @@ class Engine:
         return RunResult(rec, rnd_log, server, algo.global_model(server) if algo.has_global_model else None,
                          client_states, personal, resumed_from=start if state else 0)
 
+    def round_info(self, r: int) -> RoundInfo:
+        """What every hook may read about round ``r`` (lr = lr0 * lr_decay^r)."""
+        opt = self.train.optimizer
+        return RoundInfo(round=r, rounds=self.train.rounds, lr=opt.lr * opt.lr_decay**r, num_clients=self.data.num_clients,
+                         seed=self.seed, base_lr=opt.lr, batch_size=self.train.batch_size)
+
     def _training_clients(self, sampled: np.ndarray, rnd: RoundInfo) -> tuple[np.ndarray, np.ndarray | None]:
         """``(clients that train, positions of the sampled ones among them)``; positions None when
         only the sampled clients train. Raises ValueError when the method's choice is not a sorted
@@ -252,9 +256,7 @@ class Engine:
         """Every client's personalized model after the method's ``adaptation_phases`` on its local
         train split (stacked [K]); ``models`` unchanged when it declares none."""
         algo = self.algo
-        opt = self.train.optimizer
-        rnd = RoundInfo(round=r, rounds=self.train.rounds, lr=opt.lr * opt.lr_decay**r, num_clients=self.data.num_clients,
-                        seed=self.seed, base_lr=opt.lr)
+        rnd = self.round_info(r)
         if not algo.adaptation_phases(rnd):
             return models
         everyone = np.arange(self.data.num_clients, dtype=np.int64)

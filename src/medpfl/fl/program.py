@@ -36,7 +36,8 @@ class RoundInfo:
     round: 0-based round index; rounds: total rounds of the run; lr: the round's learning rate
     (``train.optimizer.lr * lr_decay**round``); base_lr: ``train.optimizer.lr`` (so a method can
     decay a learning rate of its own the same way: ``own_lr * lr / base_lr``); num_clients: K;
-    seed: the run's training seed.
+    seed: the run's training seed; batch_size: ``train.batch_size`` (a phase taking several
+    batches per step, e.g. Per-FedAvg's two, sizes its own from it).
     """
 
     round: int
@@ -45,6 +46,7 @@ class RoundInfo:
     num_clients: int
     seed: int = 0
     base_lr: float | None = None
+    batch_size: int | None = None
 
     @property
     def decay(self) -> float:
