@@ -58,13 +58,16 @@ def fed_data(synthetic_processed):
     return make_fed_data(synthetic_processed)
 
 
-def make_algo(name, num_classes=4, model="cnn4", **overrides):
+def make_algo(name, num_classes=4, model="cnn4", model_args=None, in_channels=3, image_size=28, **overrides):
+    """Method ``name`` (with config ``overrides``) on a meta-device template of ``model``; the
+    defaults fit ``fed_data`` (3x28x28 images); ``image_size=None``: vectors of ``in_channels``."""
     from medpfl.algorithms import resolve_method
     from medpfl.fl.functional import make_forward
     from medpfl.models import build_model
 
     cls, cfg = resolve_method(name, {name: overrides} if overrides else {})
-    return cls(cfg, make_forward(build_model(model, 3, num_classes, 28).to("meta")), num_classes)
+    module = build_model(model, in_channels, num_classes, image_size, model_args).to("meta")
+    return cls(cfg, make_forward(module), num_classes)
 
 
 def initial_params(num_classes=4, seed=0):

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
 NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$"
 
@@ -107,17 +107,57 @@ class SamplingConfig(_Strict):
 
 
 class TrainConfig(_Strict):
+    """Local training and the model. ``model`` names a zoo model (:mod:`medpfl.models.zoo`);
+    ``model_args`` holds that model's own arguments (``mlp``: ``hidden``), checked against it:
+    an unknown model or argument fails with the key's name and the known values."""
+
     rounds: int = Field(20, ge=1)
     participation: float = Field(0.1, gt=0.0, le=1.0, description="fraction of clients per round")
     local_epochs: int = Field(5, ge=1)
     batch_size: int = Field(12, ge=1)
     optimizer: OptimizerConfig = OptimizerConfig()
     sampling: SamplingConfig = SamplingConfig()
-    model: Literal["cnn4", "cnn4bn"] = "cnn4"
+    model: str = Field("cnn4", description="a model of the zoo by name (medpfl.models.MODEL_NAMES): cnn4, cnn4bn, "
+                                           "mlr, mlp")
+    model_args: dict[str, Any] = Field(
+        default_factory=dict, validate_default=True,
+        description="the model's own arguments, validated per model (medpfl.models.zoo), e.g. mlp: {hidden: 20}; "
+                    "stored with every default filled in")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
     executor: Literal["auto", "sequential", "stacked"] = "auto"
     precision: Literal["fp32", "bf16"] = Field("fp32", description="bf16: autocast the local forward/backward")
     checkpoint_every: int = Field(10, ge=0, description="rounds between checkpoints; 0 = never")
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, v: str) -> str:
+        from medpfl.models import check_model_name
+
+        return check_model_name(v)  # ValueError: unknown model, listing the known ones
+
+    @field_validator("model_args", mode="before")
+    @classmethod
+    def _model_args_none(cls, v: Any) -> Any:
+        return {} if v is None else v
+
+    @field_validator("model_args")
+    @classmethod
+    def _model_args(cls, v: dict[str, Any], info) -> dict[str, Any]:
+        from medpfl.models import resolve_model_args
+
+        if "model" not in info.data:  # the model name itself failed; that error is reported
+            return v
+        return resolve_model_args(info.data["model"], v)
+
+    @model_serializer(mode="wrap")
+    def _drop_empty_model_args(self, handler):
+        """A model without arguments dumps no ``model_args`` key: the job descriptions (and so
+        the Snakemake params triggers and checkpoint fingerprints) of such runs stay as they were
+        before ``model_args`` existed."""
+        out = handler(self)
+        if isinstance(out, dict) and not out.get("model_args"):
+            out.pop("model_args", None)
+        return out
 
     @field_validator("device")
     @classmethod

@@ -72,7 +72,8 @@ def run_training(job: dict, arrays: Path, samples: Path, partition_table: Path, 
                              f"{job['num_clients']} (re-run the partition stage)")
     device = resolve_device(train.device)
     fdata = FederatedData.build(data, table, device)
-    template = build_model(train.model, fdata.in_channels, fdata.num_classes, fdata.image_size).to("meta")
+    template = build_model(train.model, fdata.in_channels, fdata.num_classes, fdata.image_size,
+                           train.model_args).to("meta")
     algo = algo_cls(mcfg, make_forward(template), fdata.num_classes)
 
     logger = None

@@ -37,14 +37,17 @@ class FederatedData:
 
     @property
     def in_channels(self) -> int:
+        """Channels of an image sample; for vector samples ([N, d]) the number of features d."""
         return int(self.images.shape[1])
 
     @property
-    def image_size(self) -> int:
-        return int(self.images.shape[-1])
+    def image_size(self) -> int | None:
+        """The side of an image sample; None for vector samples ([N, d]), which the models
+        that flatten their input (``mlr``, ``mlp``) take."""
+        return int(self.images.shape[-1]) if self.images.dim() == 4 else None
 
     def x(self, idx: torch.Tensor) -> torch.Tensor:
-        """Normalised float32 images for sample indices ``idx`` (int64 [...]) -> [..., C, H, W]."""
+        """Normalised float32 samples for indices ``idx`` (int64 [...]) -> [..., C, H, W] (or [..., d])."""
         return self.images[idx].to(torch.float32) / 127.5 - 1.0
 
     @classmethod

@@ -151,7 +151,8 @@ class Engine:
     # ---------------------------------------------------------------------------------------
     def initial_params(self) -> Params:
         torch.manual_seed(self.seed)
-        model = build_model(self.train.model, self.data.in_channels, self.data.num_classes, self.data.image_size)
+        model = build_model(self.train.model, self.data.in_channels, self.data.num_classes, self.data.image_size,
+                            self.train.model_args)
         return {k: v.to(self.data.device) for k, v in model_state(model).items()}
 
     def _sync(self):

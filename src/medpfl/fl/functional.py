@@ -32,7 +32,9 @@ class FunctionalModel:
     :meth:`features_logits` gives ``(z float [B, d], logits float [B, C])``, :meth:`head`
     applies the classifier of a state to features. ``parts`` maps ``"body"`` and ``"head"``
     (and any part the module declares in ``extra_parts()``) to state names; ``shapes`` every
-    state entry's shape.
+    state entry's shape. A part may be empty (``mlr``: all head, no body); :meth:`part` and
+    :meth:`part_shapes` then raise a ValueError naming the model and the part, so a method that
+    splits the model stops at once instead of sharing nothing.
     """
 
     def __init__(self, module: torch.nn.Module):
@@ -41,6 +43,7 @@ class FunctionalModel:
         self.buffers = tuple(name for name, _ in module.named_buffers())
         self.shapes = {n: tuple(t.shape) for n, t in [*module.named_parameters(), *module.named_buffers()]}
         self.head_name = getattr(module, "head_name", None)
+        self.model_name = getattr(module, "zoo_name", type(module).__name__)
         names = tuple(self.shapes)
         self.parts: dict[str, tuple[str, ...]] = {}
         if self.head_name:
@@ -75,12 +78,26 @@ class FunctionalModel:
         sub = {k[len(pre):]: v for k, v in state.items() if k.startswith(pre)}
         return functional_call(self.module.get_submodule(self.head_name), sub, (z,))
 
+    def part_names(self, name: str) -> tuple[str, ...]:
+        """The state names of the named part; ValueError if the model lacks it or it is empty."""
+        if name not in self.parts:
+            raise ValueError(f"train.model={self.model_name}: no model part {name!r}; the model has "
+                             f"{sorted(self.parts)}")
+        names = self.parts[name]
+        if not names:
+            rest = sorted(p for p, v in self.parts.items() if v and p != name)
+            raise ValueError(f"train.model={self.model_name}: the model's {name!r} part is empty (its parameters "
+                             f"are all in {rest}); a method that shares or trains the {name} apart from the rest "
+                             f"(FedPer, FedBABU, FedAS, ...) cannot run on it: choose a train.model with a "
+                             f"{name} (e.g. mlp or cnn4)")
+        return names
+
     def part(self, state: Params, name: str) -> Params:
         """The entries of ``state`` that belong to the named part (``body``, ``head``, ...)."""
-        return {k: state[k] for k in self.parts[name]}
+        return {k: state[k] for k in self.part_names(name)}
 
     def part_shapes(self, name: str | None = None) -> dict[str, tuple[int, ...]]:
-        names = self.shapes if name is None else self.parts[name]
+        names = self.shapes if name is None else self.part_names(name)
         return {k: self.shapes[k] for k in names}
 
 

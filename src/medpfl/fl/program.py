@@ -187,6 +187,9 @@ def select(tree: Mapping[str, torch.Tensor], selector: Selector, parts: Mapping[
     if isinstance(selector, str):
         if selector not in parts:
             raise ValueError(f"{where}: unknown model part {selector!r}; the model has {sorted(parts)}")
+        if not parts[selector]:
+            raise ValueError(f"{where}: trains the model part {selector!r}, which this model does not have (it "
+                             f"is empty, e.g. the body of mlr); choose a train.model with a {selector}")
         names = [k for k in parts[selector] if k in tree and k not in buffers]
     else:
         names = list(selector)

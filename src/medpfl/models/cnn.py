@@ -86,16 +86,3 @@ class CNN4(nn.Module):
         logits = self.classifier(z)
         return (z, logits) if with_features else logits
 
-
-def build_model(name: str, in_channels: int, num_classes: int, image_size: int) -> nn.Module:
-    """Build a model by its params name (``train.model``). Raises ValueError for unknown names."""
-    if name in ("cnn4", "cnn4bn"):
-        if image_size % 4:
-            raise ValueError(f"train.model={name} needs an image side divisible by 4, got {image_size}")
-        return CNN4(in_channels, num_classes, image_size, batch_norm=name == "cnn4bn")
-    raise ValueError(f"train.model: unknown model {name!r}; known: cnn4, cnn4bn")
-
-
-#: what every model in the zoo provides (checked by tests/test_models.py): ``head_name`` (the
-#: final classifier submodule), ``forward(x, mask=None, with_features=False)``.
-MODEL_NAMES = ("cnn4", "cnn4bn")

@@ -1,0 +1,159 @@
+"""The model zoo: every model by its params name (``train.model``), with its own validated
+arguments (``train.model_args``).
+
+A zoo entry declares an ``Args`` model (pydantic, unknown keys are errors, every field has a
+default and a description with its source) and a builder ``(input_shape, num_classes, args) ->
+nn.Module``. ``input_shape`` is one sample's shape: ``(C, H, W)`` for images, ``(d,)`` for
+vectors. ``train.model_args`` is validated against the entry's ``Args`` when params are read
+(:class:`medpfl.config.TrainConfig`) and again by :func:`build_model`; errors name the params
+key (``train.model`` or ``train.model_args``), the model and its known arguments.
+
+Adding a model (a ResNet, a ViT): write the module (contract below), an ``Args`` class for its
+knobs (or :class:`NoArgs`), a builder, and one :data:`ZOO` entry; ``tests/test_models.py`` then
+checks it (forward shapes, parts, both executors) without being edited.
+
+The contract every zoo model meets: ``forward(x, mask=None, with_features=False)`` returns logits
+float [B, C] (``(z, logits)`` with the penultimate features z float [B, d] when
+``with_features``); ``mask`` (bool [B]) marks the real samples of a padded batch, for BatchNorm;
+``head_name`` names the final classifier submodule (the ``head`` part; everything else is the
+``body``), and optionally ``extra_parts()`` declares more named parts (see
+:class:`medpfl.fl.functional.FunctionalModel`). Written so that ``torch.func.vmap`` can run it
+(no data-dependent Python control flow, no in-place ops on inputs).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from torch import nn
+
+from medpfl.models.cnn import CNN4
+from medpfl.models.linear import MLP, MLR
+
+
+class ModelArgs(BaseModel):
+    """Base of a model's arguments (``train.model_args``): unknown keys are errors, values typed."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NoArgs(ModelArgs):
+    """The model takes no arguments."""
+
+
+class MLPArgs(ModelArgs):
+    """``mlp``'s hidden width: 128 is the pFedKD-WCL paper's (MNIST and Synthetic) [P]; its
+    official code uses 20 on Synthetic (``SyntheticMLP(input_dim=60, hidden_dim=20)``) [C], set
+    ``train.model_args: {hidden: 20}`` to match it."""
+
+    hidden: int = Field(128, ge=1, description="hidden units (paper: 128; official code on Synthetic: 20)")
+
+
+def _image_shape(name: str, shape: tuple[int, ...]) -> tuple[int, int, int]:
+    if len(shape) != 3:
+        raise ValueError(f"train.model={name} needs image samples [C, H, W]; this data set's samples have shape "
+                         f"{list(shape)} (vector data: use mlr or mlp)")
+    c, h, w = shape
+    if h != w or h % 4:
+        raise ValueError(f"train.model={name} needs square images with a side divisible by 4, got {h}x{w}")
+    return c, h, w
+
+
+def _cnn4(batch_norm: bool) -> Callable[[tuple[int, ...], int, ModelArgs], nn.Module]:
+    def build(shape: tuple[int, ...], num_classes: int, args: ModelArgs) -> nn.Module:
+        c, h, _ = _image_shape("cnn4bn" if batch_norm else "cnn4", shape)
+        return CNN4(c, num_classes, h, batch_norm=batch_norm)
+
+    return build
+
+
+def _mlr(shape: tuple[int, ...], num_classes: int, args: ModelArgs) -> nn.Module:
+    return MLR(math.prod(shape), num_classes)
+
+
+def _mlp(shape: tuple[int, ...], num_classes: int, args: MLPArgs) -> nn.Module:
+    return MLP(math.prod(shape), num_classes, hidden=args.hidden)
+
+
+@dataclass(frozen=True)
+class ZooEntry:
+    build: Callable[[tuple[int, ...], int, Any], nn.Module]
+    summary: str
+    Args: type[ModelArgs] = NoArgs
+    #: input the model takes: "image" ([C, H, W] samples only) or "any" (flattened)
+    input: str = "image"
+
+
+ZOO: dict[str, ZooEntry] = {
+    "cnn4": ZooEntry(_cnn4(False), "the standard 4-layer FL CNN (McMahan et al. 2017; FedKPer's MedMNISTNet); "
+                                   "head = classifier"),
+    "cnn4bn": ZooEntry(_cnn4(True), "cnn4 with BatchNorm after each convolution (masked statistics)"),
+    "mlr": ZooEntry(_mlr, "multinomial logistic regression: Linear(d_in, C) on the flattened input; "
+                          "head = the layer, body empty", input="any"),
+    "mlp": ZooEntry(_mlp, "Linear(d_in, hidden) -> ReLU -> Linear(hidden, C) on the flattened input; "
+                          "body = first layer, head = last", MLPArgs, input="any"),
+}
+
+#: the params names of the zoo's models (``train.model``)
+MODEL_NAMES = tuple(ZOO)
+
+
+def _entry(name: str) -> ZooEntry:
+    if name not in ZOO:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}")
+    return ZOO[name]
+
+
+def check_model_name(name: str) -> str:
+    """``name`` if it is a zoo model; else ValueError (message relative to ``train.model``)."""
+    _entry(name)
+    return name
+
+
+def resolve_model_args(name: str, args: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The validated arguments of model ``name`` with every default filled in (a plain dict).
+
+    Raises ValueError for an unknown model, a non-mapping, an unknown argument (listing the
+    model's arguments) or a bad value; the message is relative to ``train.model_args``.
+    """
+    entry = _entry(name)
+    if args is None:
+        args = {}
+    if not isinstance(args, Mapping):
+        raise ValueError(f"must be a mapping of argument names to values, got {type(args).__name__}")
+    known = tuple(entry.Args.model_fields)
+    unknown = sorted(str(k) for k in args if k not in known)
+    if unknown:
+        takes = f"its arguments: {', '.join(known)}" if known else "it takes no arguments"
+        raise ValueError(f"unknown argument{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
+                         f"for train.model={name} ({takes})")
+    try:
+        return entry.Args.model_validate(dict(args)).model_dump()
+    except ValidationError as e:
+        msgs = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        raise ValueError(f"{msgs} (train.model={name})") from None
+
+
+def build_model(name: str, in_channels: int, num_classes: int, image_size: int | None = None,
+                model_args: Mapping[str, Any] | None = None) -> nn.Module:
+    """Build a model by its params name (``train.model``) with its ``train.model_args``.
+
+    Samples are images [in_channels, image_size, image_size], or vectors of ``in_channels``
+    features when ``image_size`` is None. Weights: PyTorch default initialisation from the
+    current torch RNG. Raises ValueError naming ``train.model`` / ``train.model_args``.
+    """
+    try:
+        entry = _entry(name)
+    except ValueError as e:
+        raise ValueError(f"train.model: {e}") from None
+    try:
+        args = entry.Args.model_validate(resolve_model_args(name, model_args))
+    except ValueError as e:
+        raise ValueError(f"train.model_args: {e}") from None
+    shape = (int(in_channels),) if image_size is None else (int(in_channels), int(image_size), int(image_size))
+    model = entry.build(shape, num_classes, args)
+    model.zoo_name = name
+    return model
