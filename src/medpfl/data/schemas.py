@@ -50,6 +50,23 @@ class PartitionTable(pa.DataFrameModel):
         coerce = True
 
 
+class SharedPartitionTable(pa.DataFrameModel):
+    """A partition whose clients may share samples (``per_client_dirichlet``: each client is
+    drawn from the whole pool): a sample id may appear under several clients, but at most once
+    per client. The training stage reads every partition table with this schema (a disjoint
+    table passes it too); disjointness is checked by the partition stage, per scheme."""
+
+    sample_id: Series[int] = pa.Field(ge=0)
+    client_id: Series[int] = pa.Field(ge=0)
+    local_split: Series[str] = pa.Field(isin=LOCAL_SPLITS)
+    label: Series[int] = pa.Field(ge=0)
+
+    class Config:
+        strict = True
+        coerce = True
+        unique = ["client_id", "sample_id"]
+
+
 class EvalRecords(pa.DataFrameModel):
     """One row per (round, view, client): a model evaluated on a test set.
 
