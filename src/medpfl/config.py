@@ -204,24 +204,43 @@ class CustomDataset(_Strict):
     num_classes: int = Field(ge=2)
 
 
+class SyntheticDataset(_Strict):
+    """The generator's arguments for one ``synthetic_<alpha>_<beta>`` data set (alpha and beta,
+    standard deviations, come from the name); defaults are the pFedKD-WCL paper's setting."""
+
+    num_clients: int = Field(100, ge=1)
+    dimension: int = Field(60, ge=1)
+    num_classes: int = Field(10, ge=2)
+    seed: int = Field(0, ge=0, description="numpy RandomState seed (the official code is unseeded)")
+    train_fraction: float = Field(0.75, gt=0.0, lt=1.0, description="per client: first share of its permutation")
+
+
 class DataConfig(_Strict):
-    """Data sets by their official file stem: ``bloodmnist`` (28 px) or ``bloodmnist_64``.
+    """Data sets by name: a MedMNIST file stem (``bloodmnist`` (28 px) or ``bloodmnist_64``),
+    ``mnist`` (MNIST, the Keras ``mnist.npz``), or ``synthetic_<alpha>_<beta>`` (the FedProx /
+    pFedKD-WCL Synthetic(alpha, beta), generated locally; e.g. ``synthetic_0.5_0.5``).
 
     ``custom`` declares extra files in the official layout (own data, synthetic test data).
+    ``synthetic`` overrides a synthetic set's generator arguments (:class:`SyntheticDataset`).
     """
 
     datasets: list[str] = Field(default_factory=lambda: ["bloodmnist"], min_length=1)
     custom: dict[str, CustomDataset] = Field(default_factory=dict)
+    synthetic: dict[str, SyntheticDataset] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _names(self) -> "DataConfig":
-        from medpfl.data.sources import parse_dataset_name
+        from medpfl.data.sources import check_dataset_name, parse_synthetic_name
 
         for name in self.datasets:
             if not re.fullmatch(NAME_RE, name):
                 raise ValueError(f"datasets: name {name!r} must match {NAME_RE}")
             if name not in self.custom:
-                parse_dataset_name(name)  # raises ValueError naming the data set
+                check_dataset_name(name)  # raises ValueError naming the data set
+        for name in self.synthetic:
+            if parse_synthetic_name(name) is None:
+                raise ValueError(f"synthetic.{name}: not a synthetic data set name (synthetic_<alpha>_<beta>, "
+                                 "e.g. synthetic_0.5_0.5)")
         if len(set(self.datasets)) != len(self.datasets):
             raise ValueError(f"datasets: duplicate entries in {self.datasets}")
         return self
@@ -272,13 +291,13 @@ class Params(_Strict):
 
     @model_validator(mode="after")
     def _partition_datasets(self) -> "Params":
-        from medpfl.data.sources import parse_dataset_name
+        from medpfl.data.sources import check_dataset_name
 
         for name, part in self.partitions.items():
             for d in part.datasets or []:
                 if d not in self.data.custom:
                     try:
-                        parse_dataset_name(d)  # a known data set, not necessarily one this study runs
+                        check_dataset_name(d)  # a known data set, not necessarily one this study runs
                     except ValueError as e:
                         raise ValueError(f"partitions.{name}.datasets: {e}") from None
         if not self.dataset_partitions():
@@ -413,5 +432,10 @@ def train_job(params: Params, dataset: str, partition: str, method: str, seed: i
 
 def dataset_job(params: Params, dataset: str) -> dict:
     """What download/preprocess need for one data set (custom entries carry path and MD5)."""
+    from medpfl.data.sources import parse_synthetic_name
+
     custom = params.data.custom.get(dataset)
-    return {"dataset": dataset, "custom": {dataset: custom.model_dump()} if custom else {}}
+    job = {"dataset": dataset, "custom": {dataset: custom.model_dump()} if custom else {}}
+    if parse_synthetic_name(dataset) is not None and dataset not in params.data.custom:
+        job["synthetic"] = params.data.synthetic.get(dataset, SyntheticDataset()).model_dump()
+    return job

@@ -7,6 +7,7 @@ failing checks, instead of pandera's multi-page report.
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 os.environ.setdefault("DISABLE_PANDERA_IMPORT_WARNING", "True")
 
@@ -24,12 +25,18 @@ class TableError(ValueError):
 
 
 class SampleTable(pa.DataFrameModel):
-    """One row per image of a preprocessed data set (``data/processed/<name>.samples.parquet``)."""
+    """One row per image of a preprocessed data set (``data/processed/<name>.samples.parquet``).
+
+    A generated federated set (Synthetic(alpha, beta)) adds ``natural_client`` and
+    ``natural_split``: the client and local split the generator gave each sample.
+    """
 
     sample_id: Series[int] = pa.Field(ge=0, unique=True)
     split: Series[str] = pa.Field(isin=SPLITS)
     index_in_split: Series[int] = pa.Field(ge=0)
     label: Series[int] = pa.Field(ge=0)
+    natural_client: Optional[Series[int]] = pa.Field(ge=0)
+    natural_split: Optional[Series[str]] = pa.Field(isin=LOCAL_SPLITS)
 
     class Config:
         strict = True
