@@ -176,7 +176,8 @@ def test_default_mirrors_env(monkeypatch, tmp_path):
     monkeypatch.setenv(sources.MIRROR_ENV, f"{tmp_path / 'a'}{os.pathsep}{tmp_path / 'b'}")
     assert sources.default_mirrors() == [tmp_path / "a", tmp_path / "b"]
     monkeypatch.delenv(sources.MIRROR_ENV)
-    assert sources.default_mirrors(tmp_path / "proj") == [tmp_path / "shared" / "data" / "medmnist"]
+    assert sources.default_mirrors(tmp_path / "proj") == [tmp_path / "shared" / "data" / "medmnist",
+                                                          tmp_path / "shared" / "data" / "mnist"]
 
 
 # ----------------------------------------------------------------------------- preprocess

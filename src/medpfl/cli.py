@@ -29,8 +29,8 @@ def cmd_download(a) -> None:
     from medpfl.data.sources import fetch
 
     job = _job(a.job) if a.job else {"dataset": a.dataset, "custom": {}}
-    where = fetch(job["dataset"], a.out, custom=job.get("custom") or None)
-    print(f"{job['dataset']}: {a.out} from {where} (MD5 verified)")
+    where = fetch(job["dataset"], a.out, custom=job.get("custom") or None, synthetic=job.get("synthetic"))
+    print(f"{job['dataset']}: {a.out} from {where}" + ("" if where.startswith("generated") else " (MD5 verified)"))
 
 
 def cmd_preprocess(a) -> None:
@@ -38,8 +38,9 @@ def cmd_preprocess(a) -> None:
     from medpfl.data.sources import dataset_spec
 
     job = _job(a.job) if a.job else {"dataset": a.dataset, "custom": {}}
-    spec = dataset_spec(job["dataset"], job.get("custom") or None)
-    samples = preprocess(a.raw, a.out, a.samples, spec.num_classes, spec.n_channels)
+    spec = dataset_spec(job["dataset"], job.get("custom") or None, job.get("synthetic"))
+    samples = preprocess(a.raw, a.out, a.samples, spec.num_classes, spec.n_channels, layout=spec.layout,
+                         norm=spec.norm)
     counts = samples.groupby("split").size().to_dict()
     print(f"{job['dataset']}: {len(samples)} images {counts} -> {a.out}")
 
@@ -55,7 +56,10 @@ def cmd_partition(a) -> None:
     cfg = PartitionConfig.model_validate(job["config"])
     data = load_processed(a.arrays, a.samples)
     pool = data.samples[data.samples["split"] == "train"]
-    table = build_partition(pool["sample_id"].to_numpy(), pool["label"].to_numpy(), cfg, job["name"])
+    natural = None
+    if "natural_client" in pool.columns:  # a generated federated set carries its own clients
+        natural = (pool["natural_client"].to_numpy(), pool["natural_split"].to_numpy())
+    table = build_partition(pool["sample_id"].to_numpy(), pool["label"].to_numpy(), cfg, job["name"], natural=natural)
     out = Path(a.out_dir)
     write_parquet(out / "partition.parquet", table)
     counts = client_class_counts(table, data.num_classes)

@@ -38,10 +38,13 @@ class LocalTestConfig(_Strict):
       ``fedkper``: the FedKPer authors' class-balanced rule (``create_local`` in
       olivesgatech/FedKPer ``datasetter.py``; ``docs/fedkper.md``): ``int(fraction*n_k)/|classes|``
       per present class, ``int(fraction*n_kc)`` where a class is too small.
+      ``ordered``: no draw: the first ``int((1 - fraction) * n_k)`` samples of the client, in
+      the client's (already shuffled) order, are local train and the rest local test (the
+      pFedKD-WCL code's ``split = int(0.75 * len(X))``; the default of ``per_client_dirichlet``).
     """
 
     fraction: float = Field(0.2, gt=0.0, lt=1.0)
-    rule: Literal["stratified", "random", "fedkper"] = "stratified"
+    rule: Literal["stratified", "random", "fedkper", "ordered"] = "stratified"
 
 
 class PartitionConfig(_Strict):
@@ -54,26 +57,74 @@ class PartitionConfig(_Strict):
       repeated until every client holds at least ``min_samples``.
       ``iid``: a uniform random split into equal parts.
       ``pathological``: every client holds ``classes_per_client`` classes (McMahan et al. 2017).
+      ``per_client_dirichlet``: the pFedKD-WCL partition (Hsu et al. 2019 per-client Dirichlet;
+      HengruiH/pFedKD ``utils/MNIST_dirichlet.py``): client k holds
+      ``linspace(size_start, size_stop, K, dtype=int)[k]`` samples whose class proportions are
+      its own draw ``q_k ~ Dir(alpha * 1_C)`` (optionally cut to its ``top_k`` largest),
+      sampled per client from the whole pool, so **clients may share samples**; ``clustered``
+      is the code's other variant (``load_mnist_clustered``: ``n_clusters`` groups of clients,
+      each group drawing from one random pair of classes). Its local split defaults to
+      ``ordered`` with fraction 0.25 (the code's first 75 % train). ``min_samples``,
+      ``self_balancing`` and ``max_draws`` do not apply.
+      ``natural``: the data set's own clients and local splits (a generated federated data set
+      such as ``synthetic_0.5_0.5``); ``num_clients`` must equal the data set's client count,
+      and ``local_test`` does not apply.
     """
 
-    scheme: Literal["dirichlet", "iid", "pathological"] = "dirichlet"
+    scheme: Literal["dirichlet", "iid", "pathological", "per_client_dirichlet", "natural"] = "dirichlet"
     num_clients: int = Field(20, ge=1)
     alpha: float | None = Field(0.1, description="Dirichlet concentration; > 0", validate_default=True)
     self_balancing: bool = True
     min_samples: int = Field(10, ge=1)
     max_draws: int = Field(1000, ge=1)
     classes_per_client: int | None = Field(None, ge=1, validate_default=True)
+    size_start: int = Field(1165, ge=1, description="per_client_dirichlet: size of client 0 (linspace start; "
+                                                   "HengruiH/pFedKD MNIST_dirichlet.py)")
+    size_stop: int = Field(3834, ge=1, description="per_client_dirichlet: size of client K-1 (linspace stop)")
+    top_k: int | None = Field(None, ge=1, description="per_client_dirichlet: keep each client's top_k largest "
+                                                     "proportions and renormalise; null = no truncation")
+    clustered: bool = Field(False, description="per_client_dirichlet: the code's load_mnist_clustered variant")
+    n_clusters: int | None = Field(None, ge=1, description="per_client_dirichlet with clustered: number of "
+                                                          "client groups, each sharing one random pair of classes")
     seed: int = 1
     local_test: LocalTestConfig = LocalTestConfig()
     datasets: list[str] | None = Field(None, description="the data sets this partition applies to (those of "
                                                          "data.datasets among them); null = all")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _scheme_defaults(cls, data: Any) -> Any:
+        """``per_client_dirichlet`` without an explicit ``local_test`` gets the pFedKD-WCL code's
+        split: the first 75 % of the client's shuffled samples train, the rest test."""
+        if isinstance(data, dict) and data.get("scheme") == "per_client_dirichlet" and "local_test" not in data:
+            data = {**data, "local_test": {"fraction": 0.25, "rule": "ordered"}}
+        return data
+
     @field_validator("alpha")
     @classmethod
     def _alpha(cls, v: float | None, info) -> float | None:
-        if info.data.get("scheme", "dirichlet") == "dirichlet" and (v is None or not v > 0):
-            raise ValueError(f"must be > 0 for the dirichlet scheme, got {v}")
+        scheme = info.data.get("scheme", "dirichlet")
+        if scheme in ("dirichlet", "per_client_dirichlet") and (v is None or not v > 0):
+            raise ValueError(f"must be > 0 for the {scheme} scheme, got {v}")
         return v
+
+    @model_validator(mode="after")
+    def _per_client(self) -> "PartitionConfig":
+        if self.scheme != "per_client_dirichlet":
+            return self
+        if self.size_stop < self.size_start:
+            raise ValueError(f"size_stop={self.size_stop} is below size_start={self.size_start}; client sizes are "
+                             "linspace(size_start, size_stop, num_clients)")
+        if self.clustered:
+            if self.n_clusters is None:
+                raise ValueError("n_clusters is required when clustered is true")
+            if self.num_clients % self.n_clusters:
+                raise ValueError(f"num_clients={self.num_clients} must be a multiple of n_clusters={self.n_clusters} "
+                                 "(every cluster holds num_clients / n_clusters clients)")
+            if self.top_k is not None:
+                raise ValueError("top_k does not apply to clustered (each cluster holds exactly two classes); "
+                                 "set one of them")
+        return self
 
     @field_validator("classes_per_client")
     @classmethod
@@ -193,24 +244,43 @@ class CustomDataset(_Strict):
     num_classes: int = Field(ge=2)
 
 
+class SyntheticDataset(_Strict):
+    """The generator's arguments for one ``synthetic_<alpha>_<beta>`` data set (alpha and beta,
+    standard deviations, come from the name); defaults are the pFedKD-WCL paper's setting."""
+
+    num_clients: int = Field(100, ge=1)
+    dimension: int = Field(60, ge=1)
+    num_classes: int = Field(10, ge=2)
+    seed: int = Field(0, ge=0, description="numpy RandomState seed (the official code is unseeded)")
+    train_fraction: float = Field(0.75, gt=0.0, lt=1.0, description="per client: first share of its permutation")
+
+
 class DataConfig(_Strict):
-    """Data sets by their official file stem: ``bloodmnist`` (28 px) or ``bloodmnist_64``.
+    """Data sets by name: a MedMNIST file stem (``bloodmnist`` (28 px) or ``bloodmnist_64``),
+    ``mnist`` (MNIST, the Keras ``mnist.npz``), or ``synthetic_<alpha>_<beta>`` (the FedProx /
+    pFedKD-WCL Synthetic(alpha, beta), generated locally; e.g. ``synthetic_0.5_0.5``).
 
     ``custom`` declares extra files in the official layout (own data, synthetic test data).
+    ``synthetic`` overrides a synthetic set's generator arguments (:class:`SyntheticDataset`).
     """
 
     datasets: list[str] = Field(default_factory=lambda: ["bloodmnist"], min_length=1)
     custom: dict[str, CustomDataset] = Field(default_factory=dict)
+    synthetic: dict[str, SyntheticDataset] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _names(self) -> "DataConfig":
-        from medpfl.data.sources import parse_dataset_name
+        from medpfl.data.sources import check_dataset_name, parse_synthetic_name
 
         for name in self.datasets:
             if not re.fullmatch(NAME_RE, name):
                 raise ValueError(f"datasets: name {name!r} must match {NAME_RE}")
             if name not in self.custom:
-                parse_dataset_name(name)  # raises ValueError naming the data set
+                check_dataset_name(name)  # raises ValueError naming the data set
+        for name in self.synthetic:
+            if parse_synthetic_name(name) is None:
+                raise ValueError(f"synthetic.{name}: not a synthetic data set name (synthetic_<alpha>_<beta>, "
+                                 "e.g. synthetic_0.5_0.5)")
         if len(set(self.datasets)) != len(self.datasets):
             raise ValueError(f"datasets: duplicate entries in {self.datasets}")
         return self
@@ -261,13 +331,13 @@ class Params(_Strict):
 
     @model_validator(mode="after")
     def _partition_datasets(self) -> "Params":
-        from medpfl.data.sources import parse_dataset_name
+        from medpfl.data.sources import check_dataset_name
 
         for name, part in self.partitions.items():
             for d in part.datasets or []:
                 if d not in self.data.custom:
                     try:
-                        parse_dataset_name(d)  # a known data set, not necessarily one this study runs
+                        check_dataset_name(d)  # a known data set, not necessarily one this study runs
                     except ValueError as e:
                         raise ValueError(f"partitions.{name}.datasets: {e}") from None
         if not self.dataset_partitions():
@@ -402,5 +472,10 @@ def train_job(params: Params, dataset: str, partition: str, method: str, seed: i
 
 def dataset_job(params: Params, dataset: str) -> dict:
     """What download/preprocess need for one data set (custom entries carry path and MD5)."""
+    from medpfl.data.sources import parse_synthetic_name
+
     custom = params.data.custom.get(dataset)
-    return {"dataset": dataset, "custom": {dataset: custom.model_dump()} if custom else {}}
+    job = {"dataset": dataset, "custom": {dataset: custom.model_dump()} if custom else {}}
+    if parse_synthetic_name(dataset) is not None and dataset not in params.data.custom:
+        job["synthetic"] = params.data.synthetic.get(dataset, SyntheticDataset()).model_dump()
+    return job

@@ -18,7 +18,7 @@ from medpfl.algorithms import resolve_method
 from medpfl.config import EvalConfig, TrainConfig
 from medpfl.data.partition import PartitionError
 from medpfl.data.preprocess import load_processed
-from medpfl.data.schemas import PartitionTable, validate
+from medpfl.data.schemas import SharedPartitionTable, validate
 from medpfl.fl.data import FederatedData
 from medpfl.fl.engine import Engine, fingerprint, resolve_device
 from medpfl.fl.functional import make_forward
@@ -65,7 +65,9 @@ def run_training(job: dict, arrays: Path, samples: Path, partition_table: Path, 
     write_json(out_dir / "job.json", job)
 
     data = load_processed(arrays, samples)
-    table = validate(PartitionTable, read_parquet(partition_table), str(partition_table))
+    # SharedPartitionTable: clients may share samples (per_client_dirichlet); disjoint schemes are
+    # checked for disjointness when the partition stage builds them
+    table = validate(SharedPartitionTable, read_parquet(partition_table), str(partition_table))
     k = int(table["client_id"].max()) + 1
     if k != job["num_clients"]:
         raise PartitionError(f"{partition_table}: holds {k} clients, partitions.{job['partition']}.num_clients says "

@@ -2,11 +2,17 @@
 share into local train and local test.
 
 One class per scheme (``DirichletPartitioner``, ``IIDPartitioner``,
-``PathologicalPartitioner``), each seeded, each returning a list of K index arrays into the
-label vector it was given. All draws come from one ``numpy.random.RandomState(seed)`` that
-continues into the local train/test split, which reproduces the FedKPer authors' partition
-exactly (``docs/fedkper.md``; client sizes 335, 161, 797, ... on BloodMNIST, K=20, alpha 0.1,
-seed 1).
+``PathologicalPartitioner``, ``PerClientDirichletPartitioner``), each seeded, each returning a
+list of K index arrays into the label vector it was given. All draws come from one
+``numpy.random.RandomState(seed)`` that continues into the local train/test split, which
+reproduces the FedKPer authors' partition exactly (``docs/fedkper.md``; client sizes 335, 161,
+797, ... on BloodMNIST, K=20, alpha 0.1, seed 1). The ``natural`` scheme draws nothing: it
+takes the clients and local splits a generated federated data set carries.
+
+The first three schemes are disjoint (every pool sample goes to exactly one client; the table
+is checked against :class:`PartitionTable`). ``per_client_dirichlet`` samples each client from
+the whole pool, so a sample may belong to several clients (never twice to one); its table is
+checked against :class:`SharedPartitionTable`.
 
 Errors: :class:`PartitionError` (a ``ValueError``) whose message names the params key.
 """
@@ -19,7 +25,7 @@ import numpy as np
 import pandas as pd
 
 from medpfl.config import LocalTestConfig, PartitionConfig
-from medpfl.data.schemas import PartitionTable, validate
+from medpfl.data.schemas import PartitionTable, SharedPartitionTable, validate
 
 
 class PartitionError(ValueError):
@@ -144,6 +150,115 @@ class PathologicalPartitioner:
         return out
 
 
+@dataclass
+class PerClientDirichletPartitioner:
+    """The pFedKD-WCL partition (HengruiH/pFedKD ``utils/MNIST_dirichlet.py``; spec A.3.1).
+
+    Client sizes ``n = linspace(size_start, size_stop, K, dtype=int)`` (deterministic,
+    increasing). For each client k in order, independently:
+
+    1. ``q_k ~ Dir(alpha * 1_C)`` over the C classes present in the pool (sorted);
+    2. with ``top_k``: keep the ``top_k`` largest entries of ``q_k`` (``argsort(q)[-top_k:]``),
+       zero the rest, renormalise;
+    3. ``counts = floor(q_k * n_k)``; the rounding remainder ``n_k - sum(counts)`` is added to
+       the LAST class (index C-1), even when that class was cut by ``top_k`` (the code's quirk:
+       a client may then hold a few samples of one class more than ``top_k``);
+    4. for each class c with ``counts[c] > 0`` (in order), ``counts[c]`` samples of class c
+       drawn without replacement from ALL pool samples of that class (``permutation[:m]``), so
+       clients may share samples;
+    5. the client's samples are shuffled (the local split then takes the first 75 %).
+
+    ``clustered`` (``utils/MNIST.py`` ``load_mnist_clustered``): the K clients form
+    ``n_clusters`` consecutive groups; each group draws one random pair of classes
+    (``permutation(C)[:2]``) and each of its clients takes ``n_k`` samples drawn without
+    replacement from the pool samples of those two classes (already in random order; no
+    Dirichlet draw, no further shuffle).
+
+    Raises PartitionError naming the key when a client asks for more samples of a class (or
+    of a class pair) than the pool holds, or has fewer than 2 samples.
+    """
+
+    num_clients: int
+    alpha: float
+    size_start: int = 1165
+    size_stop: int = 3834
+    top_k: int | None = None
+    clustered: bool = False
+    n_clusters: int | None = None
+    key: str = "partitions.<name>"
+
+    def sizes(self) -> np.ndarray:
+        """Per-client sample counts: ``np.linspace(size_start, size_stop, K, dtype=int)``."""
+        return np.linspace(self.size_start, self.size_stop, self.num_clients, dtype=int)
+
+    def partition(self, labels: np.ndarray, rng: np.random.RandomState) -> list[np.ndarray]:
+        """labels: int [N]. Returns K arrays of positions into ``labels`` (unique within a
+        client, possibly shared between clients), each in the client's final order."""
+        if not self.alpha > 0:
+            raise PartitionError(f"{self.key}.alpha must be > 0, got {self.alpha}")
+        if self.size_start < 1 or self.size_stop < self.size_start:
+            raise PartitionError(f"{self.key}: client sizes linspace(size_start={self.size_start}, "
+                                 f"size_stop={self.size_stop}) need 1 <= size_start <= size_stop")
+        sizes = self.sizes()
+        if sizes.min() < 2:
+            raise PartitionError(f"{self.key}.size_start={self.size_start}: every client needs at least 2 samples "
+                                 "(one local train, one local test)")
+        classes = np.unique(labels)
+        by_class = [np.where(labels == c)[0] for c in classes]
+        if self.clustered:
+            return self._clustered(labels, classes, sizes, rng)
+        c_n = len(classes)
+        if self.top_k is not None and self.top_k > c_n:
+            raise PartitionError(f"{self.key}.top_k={self.top_k} exceeds the {c_n} classes in the train pool")
+        out = []
+        for k, n_k in enumerate(sizes):
+            q = rng.dirichlet(np.repeat(self.alpha, c_n))
+            if not np.all(np.isfinite(q)) or q.sum() <= 0:
+                raise PartitionError(f"{self.key}.alpha={self.alpha}: the Dirichlet draw of client {k} underflowed "
+                                     f"(NaN proportions); raise {self.key}.alpha")
+            if self.top_k is not None:
+                top = np.argsort(q)[-self.top_k:]
+                cut = np.zeros(c_n)
+                cut[top] = q[top] / q[top].sum()
+                q = cut
+            counts = np.floor(q * n_k).astype(int)
+            counts[-1] += n_k - counts.sum()
+            picks = []
+            for ci, m in enumerate(counts):
+                if m == 0:
+                    continue
+                pool = by_class[ci]
+                if m > len(pool):
+                    raise PartitionError(
+                        f"{self.key}: client {k} needs {m} samples of class {classes[ci]}, the train pool holds "
+                        f"{len(pool)}; lower {self.key}.size_stop or raise {self.key}.alpha")
+                picks.append(pool[rng.permutation(len(pool))[:m]])
+            idx = np.concatenate(picks).astype(np.int64)
+            out.append(idx[rng.permutation(len(idx))])
+        return out
+
+    def _clustered(self, labels, classes, sizes, rng) -> list[np.ndarray]:
+        if self.n_clusters is None or self.num_clients % self.n_clusters:
+            raise PartitionError(f"{self.key}: clustered needs n_clusters dividing num_clients={self.num_clients}, "
+                                 f"got n_clusters={self.n_clusters}")
+        if len(classes) < 2:
+            raise PartitionError(f"{self.key}.clustered: the train pool has {len(classes)} class; a pair is needed")
+        per = self.num_clients // self.n_clusters
+        out = []
+        for _ in range(self.n_clusters):
+            pair = classes[rng.permutation(len(classes))[:2]]
+            pool = np.where(np.isin(labels, pair))[0]
+            for _ in range(per):
+                k = len(out)
+                n_k = int(sizes[k])
+                if n_k > len(pool):
+                    raise PartitionError(f"{self.key}.clustered: client {k} needs {n_k} samples of classes "
+                                         f"{pair.tolist()}, the train pool holds {len(pool)}; lower "
+                                         f"{self.key}.size_stop")
+                out.append(pool[rng.permutation(len(pool))[:n_k]].astype(np.int64))
+        return out
+
+
 def _check_size(n: int, k: int, min_samples: int, key: str) -> None:
     if k > n:
         raise PartitionError(f"{key}.num_clients={k} exceeds the {n} samples of the train split")
@@ -152,7 +267,16 @@ def _check_size(n: int, k: int, min_samples: int, key: str) -> None:
                              f"the train split has {n}; lower {key}.num_clients or {key}.min_samples")
 
 
+OVERLAPPING_SCHEMES = frozenset({"per_client_dirichlet"})
+
+
 def make_partitioner(cfg: PartitionConfig, key: str):
+    if cfg.scheme == "per_client_dirichlet":
+        return PerClientDirichletPartitioner(cfg.num_clients, cfg.alpha, cfg.size_start, cfg.size_stop, cfg.top_k,
+                                             cfg.clustered, cfg.n_clusters, key)
+    if cfg.scheme == "natural":
+        raise PartitionError(f"{key}: the natural scheme draws nothing; use build_partition with the data set's "
+                             "own clients (internal error)")
     if cfg.scheme == "dirichlet":
         return DirichletPartitioner(cfg.num_clients, cfg.alpha, cfg.min_samples, cfg.self_balancing, cfg.max_draws, key)
     if cfg.scheme == "iid":
@@ -178,6 +302,15 @@ def split_local(clients: list[np.ndarray], labels: np.ndarray, cfg: LocalTestCon
     out = []
     for cid, idx in enumerate(clients):
         y = labels[idx]
+        if cfg.rule == "ordered":
+            n_train = int((1 - cfg.fraction) * len(idx))
+            train, test = idx[:n_train], idx[n_train:]
+            if len(test) == 0 or len(train) == 0:
+                raise PartitionError(f"{key}: client {cid} ({len(idx)} samples) gets an empty local "
+                                     f"{'test' if len(test) == 0 else 'train'} split with rule='ordered', "
+                                     f"fraction={cfg.fraction}")
+            out.append((np.asarray(train, dtype=np.int64), np.asarray(test, dtype=np.int64)))
+            continue
         if cfg.rule == "fedkper":
             test = _fedkper_test(idx, y, cfg.fraction, rng)
         elif cfg.rule == "random":
@@ -223,27 +356,61 @@ def _fedkper_test(idx: np.ndarray, y: np.ndarray, fraction: float, rng: np.rando
     return test.astype(np.int64)
 
 
-def build_partition(pool_ids: np.ndarray, pool_labels: np.ndarray, cfg: PartitionConfig, name: str = "<name>") -> pd.DataFrame:
+def build_partition(pool_ids: np.ndarray, pool_labels: np.ndarray, cfg: PartitionConfig, name: str = "<name>",
+                    natural: tuple[np.ndarray, np.ndarray] | None = None) -> pd.DataFrame:
     """Partition the official train pool and split each client; return the validated table.
 
     pool_ids: int64 [N] sample ids of the official train split; pool_labels: int64 [N].
+    natural: for ``scheme: natural``, the data set's own ``(client id int [N], local split str
+    [N] in {"train", "test"})`` of each pool sample, in pool order (the sample table's
+    ``natural_client`` / ``natural_split``).
     Returns a :class:`PartitionTable` frame (sample_id, client_id, local_split, label),
-    one row per pool sample, sorted by client then split.
+    sorted by client then split; for the disjoint schemes one row per pool sample, for
+    ``per_client_dirichlet`` one row per (client, sample), a sample possibly in several clients
+    (:class:`SharedPartitionTable`).
     """
     key = f"partitions.{name}"
-    rng = np.random.RandomState(cfg.seed)
-    clients = make_partitioner(cfg, key).partition(pool_labels, rng)
-    splits = split_local(clients, pool_labels, cfg.local_test, rng, key=f"{key}.local_test")
+    if cfg.scheme == "natural":
+        splits = _natural_splits(pool_labels, cfg, natural, key)
+    else:
+        rng = np.random.RandomState(cfg.seed)
+        clients = make_partitioner(cfg, key).partition(pool_labels, rng)
+        splits = split_local(clients, pool_labels, cfg.local_test, rng, key=f"{key}.local_test")
     rows = []
     for cid, (train, test) in enumerate(splits):
         for part, pos in (("train", train), ("test", test)):
             rows.append(pd.DataFrame({"sample_id": pool_ids[pos], "client_id": cid, "local_split": part,
                                       "label": pool_labels[pos]}))
     table = pd.concat(rows, ignore_index=True)
+    if cfg.scheme in OVERLAPPING_SCHEMES:
+        return validate(SharedPartitionTable, table, f"partition {name}")
     table = validate(PartitionTable, table, f"partition {name}")
     if len(table) != len(pool_ids):
         raise PartitionError(f"{key}: {len(table)} of {len(pool_ids)} train samples were assigned (internal error)")
     return table
+
+
+def _natural_splits(pool_labels: np.ndarray, cfg: PartitionConfig, natural, key: str):
+    if natural is None:
+        raise PartitionError(f"{key}.scheme=natural: the data set has no natural clients (its sample table lacks "
+                             "natural_client/natural_split; only generated federated sets such as "
+                             "synthetic_<alpha>_<beta> have them); choose another scheme")
+    client, split = (np.asarray(a) for a in natural)
+    if len(client) != len(pool_labels) or len(split) != len(pool_labels):
+        raise PartitionError(f"{key}: natural client/split arrays do not match the {len(pool_labels)} pool samples")
+    k = int(client.max()) + 1
+    if k != cfg.num_clients:
+        raise PartitionError(f"{key}.num_clients={cfg.num_clients}, but the data set has {k} natural clients; "
+                             f"set {key}.num_clients: {k}")
+    out = []
+    for cid in range(k):
+        pos = np.flatnonzero(client == cid).astype(np.int64)
+        train, test = pos[split[pos] == "train"], pos[split[pos] == "test"]
+        if len(train) == 0 or len(test) == 0:
+            raise PartitionError(f"{key}: natural client {cid} has {len(train)} local train and {len(test)} local "
+                                 "test samples; both must be non-empty")
+        out.append((train, test))
+    return out
 
 
 def client_class_counts(table: pd.DataFrame, num_classes: int) -> dict:

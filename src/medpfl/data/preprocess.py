@@ -1,9 +1,22 @@
-"""Preprocess: an official MedMNIST ``.npz`` into one compact array file and a sample table.
+"""Preprocess: an official raw file into one compact array file and a sample table.
 
-Output ``<out>.npz`` holds ``images`` (uint8, ``[N, C, H, W]``, channel-first), ``labels``
-(int64, ``[N]``) in the order train, val, test; ``<out>.samples.parquet`` holds one row per
-image (``sample_id`` = row in the arrays, ``split``, ``index_in_split``, ``label``), validated by
-:class:`medpfl.data.schemas.SampleTable`.
+Output ``<out>.npz`` holds ``images`` and ``labels`` (int64, ``[N]``) in the order train, val,
+test, and ``num_classes``; ``<out>.samples.parquet`` holds one row per sample (``sample_id`` =
+row in the arrays, ``split``, ``index_in_split``, ``label``), validated by
+:class:`medpfl.data.schemas.SampleTable`. Raw layouts (``DatasetSpec.layout``):
+
+- ``medmnist``: ``{train,val,test}_{images,labels}``; images uint8 ``[N, C, H, W]``.
+- ``keras`` (MNIST): ``x_train``, ``y_train``, ``x_test``, ``y_test``; images uint8
+  ``[N, 1, H, W]``, splits train and test (no val). The pFedKD-WCL study partitions only the
+  train split (the 60,000 training images), as every partition does.
+- ``synthetic`` (:mod:`medpfl.data.fedprox_synthetic`): vector samples, ``images`` float32
+  ``[N, d]`` (not normalised); every sample is in the train split (there is no global test
+  set), and the table adds ``natural_client`` and ``natural_split`` (the generator's clients
+  and local splits, for the ``natural`` partition scheme).
+
+``norm`` = ``(mean, std)`` is stored as ``norm_mean`` / ``norm_std`` when given: uint8 images
+are then normalised as ``ToTensor()`` + ``Normalize(mean, std)`` (MNIST: 0.1307, 0.3081);
+without it, as ``Normalize(0.5, 0.5)`` (``medpfl.fl.data.FederatedData.x``).
 
 Errors: :class:`medpfl.data.sources.DataError` naming the file for a truncated or unreadable
 file, missing keys, wrong shapes or dtypes, labels outside ``[0, num_classes)``, NaN images.
@@ -102,33 +115,129 @@ def _labels(y: np.ndarray, path: Path, key: str, n: int, num_classes: int) -> np
     return y
 
 
+def _open_npz(path: Path, layout: str):
+    try:
+        npz = np.load(path, allow_pickle=False)
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+        raise DataError(f"{path}: not a readable .npz file ({e}); delete it and re-run the download stage") from None
+    if not isinstance(npz, np.lib.npyio.NpzFile):
+        raise DataError(f"{path}: a single .npy array, not an .npz archive; expected the {layout} layout")
+    return npz
+
+
+def _array(npz, path: Path, key: str, layout: str) -> np.ndarray:
+    if key not in npz.files:
+        raise DataError(f"{path}: missing array {key!r}; expected the {layout} layout ({', '.join(LAYOUT_KEYS[layout])})")
+    try:
+        return npz[key]
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+        raise DataError(f"{path}: array {key} is truncated or corrupt ({e})") from None
+
+
+LAYOUT_KEYS = {
+    "keras": ("x_train", "y_train", "x_test", "y_test"),
+    "synthetic": ("features", "labels", "client_id", "local_split"),
+}
+
+
+def load_keras_npz(path: str | Path, num_classes: int, n_channels: int = 1) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Read and check a Keras-layout MNIST file: ``{"train": (uint8 [n, 1, H, W], int64 [n]),
+    "test": (...)}``."""
+    path = Path(path)
+    with _open_npz(path, "keras") as npz:
+        out = {}
+        for split in ("train", "test"):
+            x = _images_nchw(_array(npz, path, f"x_{split}", "keras"), path, f"x_{split}", n_channels)
+            y = _labels(_array(npz, path, f"y_{split}", "keras"), path, f"y_{split}", len(x), num_classes)
+            out[split] = (x, y)
+    if out["train"][0].shape[1:] != out["test"][0].shape[1:]:
+        raise DataError(f"{path}: image shapes differ between x_train and x_test")
+    return out
+
+
+def load_synthetic_npz(path: str | Path, num_classes: int, dimension: int) -> dict[str, np.ndarray]:
+    """Read and check a generated Synthetic(alpha, beta) file: ``features`` float32 [N, d],
+    ``labels`` int64, ``client_id`` int64 (0..K-1, each client non-empty), ``local_split`` uint8
+    (0 train, 1 test)."""
+    path = Path(path)
+    with _open_npz(path, "synthetic") as npz:
+        a = {k: _array(npz, path, k, "synthetic") for k in LAYOUT_KEYS["synthetic"]}
+    x = a["features"]
+    if x.ndim != 2 or x.shape[1] != dimension or x.shape[0] == 0:
+        raise DataError(f"{path}: features has shape {x.shape}; expected (N, {dimension}) with N > 0")
+    if not np.issubdtype(x.dtype, np.floating) or not np.isfinite(x).all():
+        raise DataError(f"{path}: features must be finite floats, got dtype {x.dtype}")
+    y = _labels(a["labels"], path, "labels", len(x), num_classes)
+    cid, split = a["client_id"], a["local_split"]
+    if cid.shape != (len(x),) or split.shape != (len(x),):
+        raise DataError(f"{path}: client_id {cid.shape} and local_split {split.shape} must have shape ({len(x)},)")
+    if not np.issubdtype(cid.dtype, np.integer) or cid.min() < 0 or len(np.unique(cid)) != cid.max() + 1:
+        raise DataError(f"{path}: client_id must hold the integers 0..K-1, each at least once")
+    if not np.isin(split, (0, 1)).all():
+        raise DataError(f"{path}: local_split must hold 0 (train) or 1 (test)")
+    return {"features": x.astype(np.float32), "labels": y, "client_id": cid.astype(np.int64),
+            "local_split": split.astype(np.uint8)}
+
+
 @dataclass
 class ProcessedData:
-    """A preprocessed data set in memory: ``images`` uint8 [N, C, H, W], ``labels`` int64 [N]."""
+    """A preprocessed data set in memory: ``images`` uint8 [N, C, H, W] (or float32 [N, d]
+    vector samples), ``labels`` int64 [N]; ``norm`` the images' ``(mean, std)`` after ToTensor
+    (None: ``Normalize(0.5, 0.5)``; unused for float samples)."""
 
     images: np.ndarray
     labels: np.ndarray
     samples: pd.DataFrame
     num_classes: int
+    norm: tuple[float, float] | None = None
 
     def split_ids(self, split: str) -> np.ndarray:
         return self.samples.loc[self.samples["split"] == split, "sample_id"].to_numpy()
 
 
-def preprocess(raw: str | Path, out_arrays: str | Path, out_samples: str | Path, num_classes: int, n_channels: int) -> pd.DataFrame:
-    """Write the compact array file and the validated sample table; return the table."""
-    parts = load_official_npz(raw, num_classes, n_channels)
-    images = np.concatenate([parts[s][0] for s in SPLIT_ORDER])
-    labels = np.concatenate([parts[s][1] for s in SPLIT_ORDER])
-    samples = pd.DataFrame({
-        "sample_id": np.arange(len(labels), dtype=np.int64),
-        "split": np.concatenate([[s] * len(parts[s][1]) for s in SPLIT_ORDER]),
-        "index_in_split": np.concatenate([np.arange(len(parts[s][1])) for s in SPLIT_ORDER]),
-        "label": labels,
-    })
+def preprocess(raw: str | Path, out_arrays: str | Path, out_samples: str | Path, num_classes: int, n_channels: int,
+               layout: str = "medmnist", norm: tuple[float, float] | None = None) -> pd.DataFrame:
+    """Write the compact array file and the validated sample table; return the table.
+
+    layout: ``medmnist`` | ``keras`` | ``synthetic`` (for ``synthetic``, ``n_channels`` is the
+    feature dimension d). norm: stored for uint8 images (see the module docstring).
+    """
+    extra: dict[str, np.ndarray] = {}
+    if layout == "synthetic":
+        g = load_synthetic_npz(raw, num_classes, n_channels)
+        images, labels = g["features"], g["labels"]
+        samples = pd.DataFrame({
+            "sample_id": np.arange(len(labels), dtype=np.int64),
+            "split": "train",
+            "index_in_split": np.arange(len(labels), dtype=np.int64),
+            "label": labels,
+            "natural_client": g["client_id"],
+            "natural_split": np.where(g["local_split"] == 0, "train", "test"),
+        })
+    else:
+        if layout == "keras":
+            parts = load_keras_npz(raw, num_classes, n_channels)
+        elif layout == "medmnist":
+            parts = load_official_npz(raw, num_classes, n_channels)
+        else:
+            raise DataError(f"{raw}: unknown raw layout {layout!r} (medmnist, keras, synthetic)")
+        order = [s for s in SPLIT_ORDER if s in parts]
+        images = np.concatenate([parts[s][0] for s in order])
+        labels = np.concatenate([parts[s][1] for s in order])
+        samples = pd.DataFrame({
+            "sample_id": np.arange(len(labels), dtype=np.int64),
+            "split": np.concatenate([[s] * len(parts[s][1]) for s in order]),
+            "index_in_split": np.concatenate([np.arange(len(parts[s][1])) for s in order]),
+            "label": labels,
+        })
+        if norm is not None:
+            mean, std = (float(v) for v in norm)
+            if not std > 0:
+                raise DataError(f"{raw}: normalisation std must be > 0, got {std}")
+            extra = {"norm_mean": np.float64(mean), "norm_std": np.float64(std)}
     samples = validate(SampleTable, samples, str(out_samples))
     with atomic_path(out_arrays) as tmp:
-        np.savez(tmp, images=images, labels=labels, num_classes=np.int64(num_classes))
+        np.savez(tmp, images=images, labels=labels, num_classes=np.int64(num_classes), **extra)
     write_parquet(out_samples, samples)
     return samples
 
@@ -141,9 +250,10 @@ def load_processed(arrays: str | Path, samples: str | Path) -> ProcessedData:
     try:
         with np.load(arrays, allow_pickle=False) as z:
             images, labels, num_classes = z["images"], z["labels"], int(z["num_classes"])
+            norm = (float(z["norm_mean"]), float(z["norm_std"])) if "norm_mean" in z.files else None
     except (zipfile.BadZipFile, OSError, ValueError, KeyError, EOFError) as e:
         raise DataError(f"{arrays}: unreadable processed array file ({e}); delete it and re-run preprocess") from None
     table = validate(SampleTable, read_parquet(samples), str(samples))
     if len(table) != len(labels) or not np.array_equal(table["label"].to_numpy(), labels):
         raise DataError(f"{samples}: sample table does not match {arrays} (re-run preprocess)")
-    return ProcessedData(images=images, labels=labels, samples=table, num_classes=num_classes)
+    return ProcessedData(images=images, labels=labels, samples=table, num_classes=num_classes, norm=norm)

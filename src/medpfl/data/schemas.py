@@ -7,6 +7,7 @@ failing checks, instead of pandera's multi-page report.
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 os.environ.setdefault("DISABLE_PANDERA_IMPORT_WARNING", "True")
 
@@ -24,12 +25,18 @@ class TableError(ValueError):
 
 
 class SampleTable(pa.DataFrameModel):
-    """One row per image of a preprocessed data set (``data/processed/<name>.samples.parquet``)."""
+    """One row per image of a preprocessed data set (``data/processed/<name>.samples.parquet``).
+
+    A generated federated set (Synthetic(alpha, beta)) adds ``natural_client`` and
+    ``natural_split``: the client and local split the generator gave each sample.
+    """
 
     sample_id: Series[int] = pa.Field(ge=0, unique=True)
     split: Series[str] = pa.Field(isin=SPLITS)
     index_in_split: Series[int] = pa.Field(ge=0)
     label: Series[int] = pa.Field(ge=0)
+    natural_client: Optional[Series[int]] = pa.Field(ge=0)
+    natural_split: Optional[Series[str]] = pa.Field(isin=LOCAL_SPLITS)
 
     class Config:
         strict = True
@@ -48,6 +55,23 @@ class PartitionTable(pa.DataFrameModel):
     class Config:
         strict = True
         coerce = True
+
+
+class SharedPartitionTable(pa.DataFrameModel):
+    """A partition whose clients may share samples (``per_client_dirichlet``: each client is
+    drawn from the whole pool): a sample id may appear under several clients, but at most once
+    per client. The training stage reads every partition table with this schema (a disjoint
+    table passes it too); disjointness is checked by the partition stage, per scheme."""
+
+    sample_id: Series[int] = pa.Field(ge=0)
+    client_id: Series[int] = pa.Field(ge=0)
+    local_split: Series[str] = pa.Field(isin=LOCAL_SPLITS)
+    label: Series[int] = pa.Field(ge=0)
+
+    class Config:
+        strict = True
+        coerce = True
+        unique = ["client_id", "sample_id"]
 
 
 class EvalRecords(pa.DataFrameModel):

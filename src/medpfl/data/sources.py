@@ -1,10 +1,14 @@
-"""Data sources: MedMNIST by flag and size, with the official URL and MD5 from ``medmnist.INFO``.
+"""Data sources: MedMNIST by flag and size (official URL and MD5 from ``medmnist.INFO``), MNIST
+(the Keras ``mnist.npz``), and Synthetic(alpha, beta) (generated locally).
 
 A data set is named by its official file stem: ``bloodmnist`` is the 28-px file
 ``bloodmnist.npz``; ``bloodmnist_64`` is ``bloodmnist_64.npz`` (sizes 64, 128, 224).
+``mnist`` is MNIST in the Keras layout (``x_train``, ``y_train``, ``x_test``, ``y_test``);
+``synthetic_<alpha>_<beta>`` (e.g. ``synthetic_0.5_0.5``) is the FedProx/pFedKD-WCL synthetic
+federated set (:mod:`medpfl.data.fedprox_synthetic`), whose "download" is its generation.
 The download stage looks in a local mirror first (``$MEDPFL_DATA_MIRROR``, a ``:``-separated
-list of folders, or ``../shared/data/medmnist`` beside the project when it exists), then on the
-network. The MD5 is always checked, whatever the source.
+list of folders, or ``../shared/data/medmnist`` and ``../shared/data/mnist`` beside the project
+when they exist), then on the network. The checksum is always checked, whatever the source.
 
 Errors: :class:`DataError` (a ``ValueError``) naming the file and what was expected.
 """
@@ -12,6 +16,7 @@ Errors: :class:`DataError` (a ``ValueError``) naming the file and what was expec
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
 import os
 import re
@@ -26,6 +31,7 @@ from medpfl.io import atomic_path, md5sum
 
 MIRROR_ENV = "MEDPFL_DATA_MIRROR"
 MEDMNIST_SIZES = (28, 64, 128, 224)
+SYNTHETIC_RE = r"synthetic_(\d+(?:\.\d+)?)_(\d+(?:\.\d+)?)"
 
 
 class DataError(ValueError):
@@ -44,10 +50,45 @@ class DatasetSpec:
     n_channels: int
     num_classes: int
     task: str
+    layout: str = "medmnist"  # raw file layout: medmnist | keras | synthetic (medpfl.data.preprocess)
+    norm: tuple[float, float] | None = None  # (mean, std) after ToTensor; None = Normalize(0.5, 0.5)
+    alt_sha256: tuple[str, ...] = ()  # other accepted checksums of the same content (a re-packed file)
+    generator: dict | None = None  # synthetic: the generator's arguments (fedprox_synthetic.SyntheticArgs)
 
     @property
     def filename(self) -> str:
         return f"{self.name}.npz"
+
+
+# MNIST as the Keras distribution. The MD5 is that of the verified copy in ../shared/data/mnist
+# (a re-packed, deflate-compressed npz with the same arrays); the file served at the URL is
+# 11,490,434 bytes with the SHA-256 that Keras' mnist.load_data() checks (file_hash). Either is
+# accepted; preprocessing reads the arrays, so both give the same processed data set.
+MNIST = DatasetSpec(
+    name="mnist", flag="mnist", size=28,
+    url="https://storage.googleapis.com/tensorflow/tf-keras-datasets/mnist.npz",
+    md5="1645a3b44f673782419eaed6fa02cb86",
+    n_channels=1, num_classes=10, task="multi-class", layout="keras",
+    norm=(0.1307, 0.3081),  # the pFedKD-WCL code: ToTensor() then Normalize((0.1307,), (0.3081,))
+    alt_sha256=("731c5ac602752760c8e48fbffcf8c3b850d9dc2a2aedcf2cc48468fc17b673d1",),
+)
+OTHER_DATASETS = {"mnist": MNIST}
+
+
+def parse_synthetic_name(name: str) -> tuple[float, float] | None:
+    """``synthetic_0.5_0.5`` -> ``(0.5, 0.5)`` (alpha, beta: standard deviations); None otherwise."""
+    m = re.fullmatch(SYNTHETIC_RE, name)
+    return (float(m.group(1)), float(m.group(2))) if m else None
+
+
+def check_dataset_name(name: str) -> None:
+    """Raise DataError unless ``name`` is ``mnist``, ``synthetic_<alpha>_<beta>`` or a MedMNIST stem."""
+    if name in OTHER_DATASETS or parse_synthetic_name(name) is not None:
+        return
+    if name.startswith("synthetic"):
+        raise DataError(f"data set {name!r}: a synthetic set is named synthetic_<alpha>_<beta> with two "
+                        "non-negative numbers, e.g. synthetic_0.5_0.5")
+    parse_dataset_name(name)
 
 
 @functools.cache
@@ -85,17 +126,28 @@ def parse_dataset_name(name: str) -> tuple[str, int]:
     return flag, size
 
 
-def dataset_spec(name: str, custom: dict | None = None) -> DatasetSpec:
-    """The official URL, MD5 and label metadata of a MedMNIST file, from ``medmnist.INFO``.
+def dataset_spec(name: str, custom: dict | None = None, synthetic: dict | None = None) -> DatasetSpec:
+    """The official URL, checksum and label metadata of a data set: MedMNIST from
+    ``medmnist.INFO``, ``mnist`` (:data:`MNIST`), or a ``synthetic_<alpha>_<beta>`` set.
 
     ``custom`` maps names to ``{"path", "md5", "n_channels", "num_classes"}`` for files in the
-    official layout that are not MedMNIST releases (your own data, or synthetic test data);
-    such a data set has no URL and is read from ``path``.
+    official MedMNIST layout that are not MedMNIST releases (your own data, or synthetic test
+    data); such a data set has no URL and is read from ``path``. ``synthetic`` holds the
+    generator's arguments for a synthetic set (``data.synthetic.<name>``: num_clients,
+    dimension, num_classes, seed, train_fraction); missing ones take their defaults.
     """
     if custom and name in custom:
         c = custom[name]
         return DatasetSpec(name=name, flag=name, size=0, url=str(Path(c["path"]).resolve().as_uri()), md5=c["md5"],
                            n_channels=int(c["n_channels"]), num_classes=int(c["num_classes"]), task="multi-class")
+    if name in OTHER_DATASETS:
+        return OTHER_DATASETS[name]
+    ab = parse_synthetic_name(name)
+    if ab is not None:
+        gen = {"alpha": ab[0], "beta": ab[1], **dict(synthetic or {})}
+        return DatasetSpec(name=name, flag="synthetic", size=0, url="", md5="",
+                           n_channels=int(gen.get("dimension", 60)), num_classes=int(gen.get("num_classes", 10)),
+                           task="multi-class", layout="synthetic", generator=gen)
     INFO, version = medmnist_info()
     flag, size = parse_dataset_name(name)
     info = INFO[flag]
@@ -120,31 +172,61 @@ def default_mirrors(project_root: Path | None = None) -> list[Path]:
     if env is not None:
         return [Path(p) for p in env.split(os.pathsep) if p]
     root = project_root or Path.cwd()
-    return [root.parent / "shared" / "data" / "medmnist"]
+    return [root.parent / "shared" / "data" / "medmnist", root.parent / "shared" / "data" / "mnist"]
+
+
+def _sha256(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(chunk), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def checksum_ok(path: str | Path, spec: DatasetSpec) -> bool:
+    """Whether ``path`` has the data set's MD5 (or one of its accepted SHA-256s)."""
+    return md5sum(path) == spec.md5 or bool(spec.alt_sha256 and _sha256(Path(path)) in spec.alt_sha256)
 
 
 def _verify(path: Path, spec: DatasetSpec, origin: str) -> None:
+    if checksum_ok(path, spec):
+        return
     got = md5sum(path)
-    if got != spec.md5:
-        raise DataError(
-            f"{origin}: MD5 mismatch for {spec.filename}: expected {spec.md5} (medmnist.INFO), got {got}. "
-            "The file is corrupt or not the official release; delete it and download it again."
-        )
+    source = "medmnist.INFO" if spec.layout == "medmnist" and spec.size else "the data set's declared checksum"
+    alt = f" (or SHA-256 {', '.join(spec.alt_sha256)})" if spec.alt_sha256 else ""
+    raise DataError(
+        f"{origin}: MD5 mismatch for {spec.filename}: expected {spec.md5}{alt} ({source}), got {got}. "
+        "The file is corrupt or not the official release; delete it and download it again."
+    )
 
 
 def fetch(name: str, out: str | Path, mirrors: list[Path] | None = None, retries: int = 3, timeout: float = 60.0,
-          custom: dict | None = None) -> str:
+          custom: dict | None = None, synthetic: dict | None = None) -> str:
     """Place the verified official file for data set ``name`` at ``out``; return where it came from.
 
     Order: an already present ``out`` with the right MD5 is kept; then each mirror folder; then
     the official URL (``retries`` attempts with back-off). The file is written atomically.
+    A ``synthetic_<alpha>_<beta>`` set is generated instead (no network, no mirror), with the
+    arguments in ``synthetic`` (see :func:`dataset_spec`).
 
     Raises:
         DataError: wrong MD5 (naming the mirror file or URL), or no source reachable (the
             message says how to provide the file).
     """
-    spec = dataset_spec(name, custom)
+    spec = dataset_spec(name, custom, synthetic)
     out = Path(out)
+    if spec.layout == "synthetic":
+        from medpfl.data.fedprox_synthetic import SyntheticArgs, write_fedprox_synthetic
+
+        try:
+            args = SyntheticArgs(**spec.generator)
+        except TypeError as e:
+            raise DataError(f"data.synthetic.{name}: {e}") from None
+        try:
+            md5 = write_fedprox_synthetic(out, args)
+        except ValueError as e:
+            raise DataError(f"data.synthetic.{name}: {e}") from None
+        return f"generated Synthetic({args.alpha}, {args.beta}), {args.num_clients} clients, seed {args.seed} (MD5 {md5})"
     if out.exists():
         try:
             _verify(out, spec, str(out))

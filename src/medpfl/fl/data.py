@@ -1,8 +1,12 @@
 """Client data resident on the training device.
 
-Images stay uint8 ``[N, C, H, W]`` on the device and are normalised on the fly
-(``x / 127.5 - 1``, i.e. ``Normalize(0.5, 0.5)`` after ``ToTensor``, the FedKPer loader's
-transform); clients are index tensors into those arrays. No DataLoader, no per-sample Python.
+Images stay uint8 ``[N, C, H, W]`` on the device and are normalised on the fly: by default
+``x / 127.5 - 1``, i.e. ``Normalize(0.5, 0.5)`` after ``ToTensor`` (the FedKPer loader's
+transform, MedMNIST); with the processed file's ``norm = (mean, std)``, ``(x / 255 - mean) /
+std`` in float32 (``ToTensor`` + ``Normalize(mean, std)``; MNIST: 0.1307, 0.3081, the pFedKD-WCL
+code). Float samples (Synthetic(alpha, beta) vectors ``[N, d]``) are used as they are. Clients
+are index tensors into those arrays (a sample may sit in several clients' tensors). No
+DataLoader, no per-sample Python.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class FederatedData:
     client_test: list[torch.Tensor]
     train_hist: torch.Tensor
     device: torch.device
+    norm: tuple[float, float] | None = None
 
     @property
     def num_clients(self) -> int:
@@ -47,8 +52,15 @@ class FederatedData:
         return int(self.images.shape[-1]) if self.images.dim() == 4 else None
 
     def x(self, idx: torch.Tensor) -> torch.Tensor:
-        """Normalised float32 samples for indices ``idx`` (int64 [...]) -> [..., C, H, W] (or [..., d])."""
-        return self.images[idx].to(torch.float32) / 127.5 - 1.0
+        """Normalised float32 samples for indices ``idx`` (int64 [...]) -> [..., C, H, W] (or [..., d]
+        for vector data, already float and passed through)."""
+        v = self.images[idx]
+        if v.is_floating_point():
+            return v.to(torch.float32)
+        if self.norm is None:
+            return v.to(torch.float32) / 127.5 - 1.0
+        mean, std = self.norm
+        return (v.to(torch.float32) / 255.0 - mean) / std
 
     @classmethod
     def build(cls, data: ProcessedData, partition: pd.DataFrame, device: torch.device) -> "FederatedData":
@@ -69,4 +81,5 @@ class FederatedData:
             client_test=test,
             train_hist=torch.as_tensor(hist, dtype=torch.float32, device=device),
             device=device,
+            norm=data.norm,
         )
