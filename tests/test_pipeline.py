@@ -138,6 +138,27 @@ def test_lint(study):
     assert "Congratulations" in proc.stdout
 
 
+def test_editing_one_method_reruns_only_its_runs(study):
+    """The train stage hashes the engine, the models and each method's own modules: a new
+    method module re-runs nothing, an edit to ``local.py`` re-runs only Local (dry run; the
+    copy's sources are restored afterwards)."""
+    work, env, _, sf = study
+    algos = sf.parent / "src" / "medpfl" / "algorithms"
+    new_mod = algos / "zz_new_method.py"
+    local = algos / "local.py"
+    before = local.read_text()
+    try:
+        new_mod.write_text('"""A method module added later."""\n')
+        dry = snakemake(work, "--dry-run", env=env, snakefile=sf).stdout
+        assert "train" not in job_stats(dry), dry[-3000:]
+        local.write_text(before + "\n# an edit\n")
+        dry = snakemake(work, "--dry-run", env=env, snakefile=sf).stdout
+        assert sorted(w.get("method") for r, w in planned_jobs(dry) if r == "train") == ["local"] * len(SEEDS)
+    finally:
+        new_mod.unlink(missing_ok=True)
+        local.write_text(before)
+
+
 def test_adding_a_method_trains_only_that_method(study):
     """Edits params.yaml: keep this test last in the module."""
     work, env, _, sf = study

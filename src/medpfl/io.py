@@ -120,6 +120,12 @@ def tree_hash(paths: list[str | Path], suffixes: tuple[str, ...] = (".py", ".smk
         elif p.is_dir():
             files.extend(f for f in p.rglob("*") if f.is_file() and f.suffix in suffixes and "__pycache__" not in f.parts)
     for f in sorted(files):
-        h.update(str(f).encode())
+        h.update(_portable_name(f).encode())  # not the absolute path: the same code hashes alike in any clone
         h.update(f.read_bytes())
     return h.hexdigest()[:16]
+
+
+def _portable_name(f: Path) -> str:
+    """``f`` from its ``src/`` folder on (``medpfl/fl/engine.py``), else its name."""
+    parts = Path(f).resolve().parts
+    return "/".join(parts[len(parts) - 1 - parts[::-1].index("src") + 1:]) if "src" in parts else Path(f).name

@@ -32,6 +32,16 @@ def code_hash(*parts):
     return tree_hash([ROOT / "src" / "medpfl" / p for p in parts])
 
 
+def train_code_hash(wildcards):
+    """The code behind one training job: the engine, the models, the CLI and its method's own
+    modules (``method_sources``), so a new or edited method does not re-run the others."""
+    from medpfl.algorithms import method_sources
+
+    algorithm = PARAMS.method_config(wildcards.method)[0].name
+    own = [ROOT / "src" / "medpfl" / "algorithms" / f.name for f in method_sources(algorithm)]  # this checkout's files
+    return tree_hash([ROOT / "src" / "medpfl" / p for p in ("fl", "models", "train.py")] + own)
+
+
 def dataset_json(wildcards):
     return q(dataset_job(PARAMS, wildcards.dataset))
 

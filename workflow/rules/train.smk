@@ -15,7 +15,7 @@ rule train:
         job=f"{RUN_DIR}/job.json",
     params:
         job=train_json,
-        code=code_hash("fl", "algorithms", "models", "train.py"),
+        code=train_code_hash,
     threads: TRAIN_THREADS
     resources:
         gpu=1 if HAS_GPU else 0,

@@ -13,9 +13,11 @@ A method name is either a registered algorithm (``fedavg``) or a variant declare
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import pkgutil
+from pathlib import Path
 
 from pydantic import ValidationError
 
@@ -64,4 +66,33 @@ def resolve_method(name: str, method_params: dict | None = None) -> tuple[type[A
     return cls, cfg
 
 
-__all__ = ["Algorithm", "MethodConfig", "REGISTRY", "resolve_method"]
+def method_sources(algorithm: str) -> list[Path]:
+    """The source files of this package a registered method's code consists of: ``base.py``,
+    ``__init__.py``, its own module and every ``medpfl.algorithms`` module it imports,
+    transitively (sorted). The train stage hashes these (with the engine and the models), so
+    adding or editing one method re-runs only the runs of the methods that use that code.
+
+    Raises KeyError for an unknown name."""
+    pkg = Path(__file__).parent
+    todo = [Path(inspect.getfile(REGISTRY[algorithm]))]
+    seen = {pkg / "__init__.py", pkg / "base.py"}
+    while todo:
+        f = todo.pop()
+        if f in seen:
+            continue
+        seen.add(f)
+        for node in ast.walk(ast.parse(f.read_text())):
+            mods = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                mods = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            for m in mods:
+                if m.startswith(__name__ + ".") and m.count(".") == 2:
+                    cand = pkg / (m.rsplit(".", 1)[1] + ".py")
+                    if cand.is_file():
+                        todo.append(cand)
+    return sorted(seen)
+
+
+__all__ = ["Algorithm", "MethodConfig", "REGISTRY", "method_sources", "resolve_method"]
