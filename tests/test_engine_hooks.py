@@ -164,3 +164,22 @@ def test_adaptation_is_one_sgd_step_from_the_personalized_model(fed_data):
         got = tree_index(adapted, c)
         for (n, v), g in zip(w.items(), grads):
             torch.testing.assert_close(got[n], v - 0.5 * g, atol=1e-6, rtol=1e-5)
+
+
+def test_data_set_without_a_global_test_set(fed_data):
+    """A federated data set with no global test set (Synthetic(alpha, beta)) trains and scores
+    the local test splits; the global-test views are absent (not applicable), not zero."""
+    import dataclasses
+
+    from medpfl.metrics import summarize_run
+
+    data = dataclasses.replace(fed_data, global_test=fed_data.global_test[:0])
+    for method in ("fedavg", "local"):
+        algo = make_algo(method)
+        res = Engine(algo, data, _train(), EvalConfig(), seed=3, executor_kind="sequential").run()
+        views = set(res.records["view"])
+        assert "global_test" not in views and "local_on_global_test" not in views
+        assert ("global_on_local" in views) == algo.has_global_model
+        _, s = summarize_run(res.records, res.rounds, data.num_clients, algo.has_global_model, algo.personalized)
+        assert s["avg_global_acc"] is None and s["balance"] is None  # not applicable (JSON null)
+        assert 0.0 < s["avg_local_acc"] <= 1.0

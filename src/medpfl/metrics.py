@@ -124,9 +124,9 @@ def summarize_run(records: pd.DataFrame, rounds: pd.DataFrame, num_clients: int,
 
     # Global model on the global test set.
     g = view("global_test").set_index("round")
-    per["global_test_acc"] = g["accuracy"].reindex(r_all).to_numpy()
-    per["global_test_bal_acc"] = g["balanced_accuracy"].reindex(r_all).to_numpy()
-    per["global_test_loss"] = g["loss"].reindex(r_all).to_numpy()
+    per["global_test_acc"] = g["accuracy"].reindex(r_all).to_numpy(dtype=float)
+    per["global_test_bal_acc"] = g["balanced_accuracy"].reindex(r_all).to_numpy(dtype=float)
+    per["global_test_loss"] = g["loss"].reindex(r_all).to_numpy(dtype=float)
 
     # Global model on every client's local test split; BwT over evaluated rounds.
     gl = view("global_on_local")

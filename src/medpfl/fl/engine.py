@@ -11,7 +11,7 @@ Round r:
   4. the uploads are checked against the method's declared ``upload_spec`` (the privacy
      boundary); the server aggregates them (``algo.aggregate``) into its next state;
   5. on evaluation rounds: the global model (where the method has one) on the global test set
-     and on every local test split, and each personalized model on its local test split (after
+     (where the data set has one) and on every local test split, and each personalized model on its local test split (after
      the method's ``adaptation_phases`` on the local train split, where it declares some);
   6. bytes up (the uploads as sent, compressed where they are) and down (the shared download
      once per recipient plus every per-client row) and wall time are logged; server and client
@@ -270,17 +270,19 @@ class Engine:
         algo, data, bs = self.algo, self.data, self.eval.batch_size
         out: list[dict] = []
         k = data.num_clients
+        has_global_test = len(data.global_test) > 0  # a federated data set may have none (Synthetic)
         if algo.has_global_model:
             gm = algo.global_model(server)
-            out += records_from_counts(r, "global_test", [-1],
-                                       *eval_groups(algo.predict, gm, data, [data.global_test], bs))
+            if has_global_test:
+                out += records_from_counts(r, "global_test", [-1],
+                                           *eval_groups(algo.predict, gm, data, [data.global_test], bs))
             out += records_from_counts(r, "global_on_local", list(range(k)),
                                        *eval_groups(algo.predict, gm, data, data.client_test, bs))
         if algo.personalized:
             pm = self._adapted(self.executor.personalized_models(algo, client_states, server), r)
             out += records_from_counts(r, "personalized_on_local", list(range(k)),
                                        *self.executor.evaluate_models(algo, pm, data.client_test))
-            if r == self.train.rounds - 1 and not algo.has_global_model:
+            if r == self.train.rounds - 1 and not algo.has_global_model and has_global_test:
                 out += records_from_counts(r, "local_on_global_test", list(range(k)),
                                            *self.executor.evaluate_models(algo, pm, [data.global_test] * k))
         return out
