@@ -127,8 +127,11 @@ def test_stacked_equals_sequential(fed_data, method):
     assert seq.rounds["bytes_down"].tolist() == stk.rounds["bytes_down"].tolist()
     assert_trees_close(seq.server, stk.server, atol=2e-5, rtol=1e-4)
     # client states may hold models after many more gradient evaluations than one round of FedAvg
-    # (pFedMe: 20 iterations x 5 inner steps, every client): fp32 reduction-order noise grows with them
-    assert_trees_close(seq.client_states, stk.client_states, atol=5e-5, rtol=1e-4)
+    # (pFedMe: 20 iterations x 5 inner steps, every client; pFedKD-WCL: 2 x 20 steps of a randomly
+    # initialised personal CNN, up to 9e-5 here, as FedAvg reaches 5.5e-5 at 4 epochs): fp32
+    # reduction-order noise grows with them (max-pool/ReLU switches at ulp-level differences). In
+    # float64 the executors agree to rounding (tests/test_pfedkdwcl.py checks it at its defaults).
+    assert_trees_close(seq.client_states, stk.client_states, atol=1.5e-4, rtol=1e-4)
 
 
 class _Kill(Exception):

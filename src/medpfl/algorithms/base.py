@@ -83,6 +83,11 @@ class Algorithm:
     #: config overrides under which the method is FedAvg (a reduction its paper states, e.g.
     #: FedProx with mu = 0); None where no setting of its knobs gives FedAvg. Tested for every method.
     fedavg_when: ClassVar[dict[str, Any] | None] = None
+    #: True: the engine builds each client's initial state (``init_client_state``) with the CPU
+    #: generator seeded from (run seed, client id) and restores it after, so a random draw there
+    #: (on the CPU) is the same in both executors, whatever K, and independent of the global
+    #: model's init (pFedKD-WCL's personal models). False: the global generator as it stands.
+    seeded_client_init: ClassVar[bool] = False
 
     def __init__(self, cfg: MethodConfig, forward: FunctionalModel, num_classes: int):
         self.cfg = cfg
@@ -146,7 +151,9 @@ class Algorithm:
 
     # ----- client side -----------------------------------------------------------------------
     def init_client_state(self, params: Params, client: int) -> dict[str, Any]:
-        """One client's persistent state at round 0 (the engine stacks K of them). Default: none."""
+        """One client's persistent state at round 0 (the engine stacks K of them). With
+        ``seeded_client_init`` the engine calls it with the CPU generator seeded from (run seed,
+        ``client``) and restores the generator after. Default: none."""
         return {}
 
     def shared_context(self, shared: dict[str, Any], rnd: RoundInfo) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from medpfl.fl.evaluation import eval_groups, records_from_counts
 from medpfl.fl.functional import Params, model_state
 from medpfl.fl.payload import PrivacyError, check_upload, payload_nbytes
 from medpfl.fl.program import Download, Phase, RoundInfo
-from medpfl.fl.sampling import client_schedule
+from medpfl.fl.sampling import client_schedule, seeded_cpu_rng
 from medpfl.fl.tree import tree_index, tree_leaves, tree_scatter, tree_stack
 from medpfl.io import atomic_path
 from medpfl.models import build_model
@@ -163,7 +163,17 @@ class Engine:
         return (r + 1) % self.eval.every == 0 or r == self.train.rounds - 1
 
     def initial_client_states(self, params: Params) -> dict[str, Any]:
-        return tree_stack([self.algo.init_client_state(params, c) for c in range(self.data.num_clients)])
+        """Every client's state at round 0, stacked [K]. For a method with ``seeded_client_init``,
+        client c's is built with the CPU generator seeded from (seed, c)
+        (:func:`~medpfl.fl.sampling.seeded_cpu_rng`, restored after), so a random draw in
+        ``init_client_state`` is a function of the run seed and the client id only."""
+        if not self.algo.seeded_client_init:
+            return tree_stack([self.algo.init_client_state(params, c) for c in range(self.data.num_clients)])
+        states = []
+        for c in range(self.data.num_clients):
+            with seeded_cpu_rng("client_state", self.seed, c):
+                states.append(self.algo.init_client_state(params, c))
+        return tree_stack(states)
 
     def run(self) -> RunResult:
         algo, data, ex = self.algo, self.data, self.executor

@@ -10,6 +10,8 @@ resumed run and both executors draw identical batches without carrying generator
 from __future__ import annotations
 
 import hashlib
+from contextlib import contextmanager
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -47,6 +49,19 @@ def derive_seed(*parts: int | str) -> int:
     """A 63-bit seed from a tuple, stable across processes and Python versions."""
     h = hashlib.blake2b(repr(tuple(parts)).encode(), digest_size=8).digest()
     return int.from_bytes(h, "little") & ((1 << 63) - 1)
+
+
+@contextmanager
+def seeded_cpu_rng(*parts: int | str) -> Iterator[None]:
+    """Run a block with PyTorch's CPU generator seeded from ``derive_seed(*parts)``, and restore
+    the generator's state afterwards (the CUDA generators are not touched). The engine builds
+    each client's initial state inside ``seeded_cpu_rng("client_state", seed, client)`` for a
+    method with ``seeded_client_init``: a method that draws it at random (on the CPU) gets the
+    same draw in both executors, whatever the number or order of clients, and independent of
+    the global model's initialisation."""
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(derive_seed(*parts))
+        yield
 
 
 def batch_plan(n: int, batch_size: int, epochs: int, seed: int, round_idx: int, client: int) -> torch.Tensor:
