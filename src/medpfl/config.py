@@ -373,6 +373,37 @@ class Params(_Strict):
             resolve_method(name, self.method_params)
         return self
 
+    @model_validator(mode="after")
+    def _method_train(self) -> "Params":
+        for name in self.method_params:
+            self.method_train(name)  # raises ParamsError naming method_params.<name>.train.<key>
+        return self
+
+    def method_train(self, name: str) -> TrainConfig:
+        """The ``train`` section for one method's runs: the study's, with the method's own
+        ``method_params.<name>.train`` overrides merged in (a mapping merges key by key; a new
+        ``model`` without ``model_args`` starts from that model's defaults).
+
+        Raises :class:`ParamsError` naming ``method_params.<name>.train.<key>``."""
+        over = (self.method_params.get(name) or {}).get("train")
+        if over is None:
+            return self.train
+        if not isinstance(over, dict):
+            raise ParamsError(f"method_params.{name}.train: expected a mapping of train keys, got {over!r}")
+        base = self.train.model_dump()
+        if "model" in over and "model_args" not in over:
+            base.pop("model_args", None)
+        try:
+            return TrainConfig.model_validate(deep_merge(base, over))
+        except ValidationError as e:
+            msgs = []
+            for err in e.errors():
+                loc = ".".join(str(p) for p in err["loc"])
+                msg = ("unknown key (check the spelling; see params.yaml for the allowed keys)"
+                       if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, "))
+                msgs.append(f"method_params.{name}.train.{loc}: {msg}")
+            raise ParamsError("; ".join(msgs)) from None
+
     def method_config(self, name: str):
         """The resolved ``(algorithm class, validated config)`` for a method name."""
         from medpfl.algorithms import resolve_method
@@ -465,7 +496,7 @@ def train_job(params: Params, dataset: str, partition: str, method: str, seed: i
         "method_params": mcfg.model_dump(),
         "seed": seed,
         "num_clients": params.partitions[partition].num_clients,
-        "train": params.train.model_dump(),
+        "train": params.method_train(method).model_dump(),
         "eval": params.eval.model_dump(),
     }
 

@@ -9,6 +9,11 @@ A method name is either a registered algorithm (``fedavg``) or a variant declare
 
     method_params:
       fedkper_noclip: {algorithm: fedkper, clip_grad_norm: null}
+
+A ``train`` key in a method's entry overrides the study's ``train`` section for that method's
+runs only (the model, local epochs, batch size, ...; validated by :mod:`medpfl.config`), e.g.
+``fedavg-mlp: {algorithm: fedavg, train: {model: mlp}}``: one study can hold several models or
+local-epoch settings as a list of method variants.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ def resolve_method(name: str, method_params: dict | None = None) -> tuple[type[A
 
     overrides = dict((method_params or {}).get(name) or {})
     algo_name = overrides.pop("algorithm", name)
+    overrides.pop("train", None)  # the method's train overrides: checked by medpfl.config
     if algo_name not in REGISTRY:
         where = f"method_params.{name}.algorithm" if algo_name != name else "methods"
         raise ParamsError(f"{where}: unknown method {algo_name!r}; known: {', '.join(sorted(REGISTRY))}")
