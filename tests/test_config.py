@@ -330,3 +330,68 @@ def test_table1_study_overlays_resolve():
     cpu = load_params(PARAMS, [REPO / "config" / "fedkper-table1.yaml", REPO / "config" / "fedkper-table1-cpu.yaml"])
     assert cpu.dataset_partitions() == [("bloodmnist", "fedkper-dir0.1")] and cpu.seeds == [1]
     assert cpu.report.paper_table == "config/papers/fedkper-table1.yaml"
+
+
+def test_method_train_overrides_apply_to_that_method_only(base):
+    data = _with(base, "method_params", {
+        "fedavg-mlp": {"algorithm": "fedavg", "train": {"model": "mlp", "model_args": {"hidden": 20},
+                                                       "local_epochs": 7, "optimizer": {"momentum": 0.0}}},
+        "fedavg-mlr": {"algorithm": "fedavg", "train": {"model": "mlr"}}})
+    data["methods"] = ["fedavg", "fedavg-mlp", "fedavg-mlr"]
+    p = validate_params(data)
+    part = next(iter(p.partitions))
+    plain, mlp, mlr = (train_job(p, "bloodmnist", part, m, 1)["train"] for m in data["methods"])
+    assert plain == p.train.model_dump()
+    assert mlp["model"] == "mlp" and mlp["model_args"] == {"hidden": 20} and mlp["local_epochs"] == 7
+    # a nested mapping merges key by key: the study's lr and decay stay
+    assert mlp["optimizer"]["momentum"] == 0.0 and mlp["optimizer"]["lr"] == p.train.optimizer.lr
+    assert {k: v for k, v in mlp.items() if k not in ("model", "model_args", "local_epochs", "optimizer")} == \
+        {k: v for k, v in plain.items() if k not in ("model", "model_args", "local_epochs", "optimizer")}
+    assert mlr["model"] == "mlr" and "model_args" not in mlr
+    # the override is not a method hyper-parameter
+    assert "train" not in train_job(p, "bloodmnist", part, "fedavg-mlp", 1)["method_params"]
+
+
+def test_a_new_model_starts_from_its_own_default_arguments(base):
+    data = copy.deepcopy(base)
+    data["train"] = {**data.get("train", {}), "model": "mlp", "model_args": {"hidden": 64}}
+    data["method_params"] = {"lin": {"algorithm": "fedavg", "train": {"model": "mlr"}}}
+    data["methods"] = ["fedavg", "lin"]
+    p = validate_params(data)
+    assert p.method_train("fedavg").model_args == {"hidden": 64}
+    assert p.method_train("lin").model == "mlr" and p.method_train("lin").model_args == {}
+
+
+@pytest.mark.parametrize("train, key", [
+    ({"model": "resnet9000"}, "method_params.v.train.model"),
+    ({"local_epoch": 3}, "method_params.v.train.local_epoch"),
+    ({"rounds": 0}, "method_params.v.train.rounds"),
+    ({"model": "mlr", "model_args": {"hidden": 3}}, "method_params.v.train.model_args"),
+    (5, "method_params.v.train"),
+])
+def test_bad_method_train_overrides_name_the_key(base, train, key):
+    data = _with(base, "method_params", {"v": {"algorithm": "fedavg", "train": train}})
+    data["methods"] = ["v"]
+    assert key in _error(data)
+
+
+def test_pfedkd_study_overlays_resolve():
+    mnist = load_params(PARAMS, [REPO / "config" / "pfedkd-mnist.yaml"])
+    assert {p: (mnist.partitions[p].num_clients, mnist.partitions[p].alpha, mnist.partitions[p].top_k)
+            for _, p in mnist.dataset_partitions()} == {
+        "a0.5-top2-n20": (20, 0.5, 2), "a0.5-top2-n50": (50, 0.5, 2), "a0.05-n20": (20, 0.05, None),
+        "a0.05-n50": (50, 0.05, None)}  # paper Table 1's four columns
+    assert mnist.train.rounds == 600 and mnist.train.participation == 0.25 and mnist.train.batch_size == 20
+    assert (mnist.train.optimizer.momentum, mnist.train.optimizer.weight_decay, mnist.train.optimizer.lr_decay) == \
+        (0.0, 0.0, 1.0)
+    for model in ("mlr", "mlp"):
+        for algo in ("fedavg", "fedprox", "perfedavg", "pfedme", "fedgkd", "pfedkdwcl"):
+            tr = mnist.method_train(f"{algo}-{model}")
+            assert tr.model == model and tr.model_args == ({"hidden": 128} if model == "mlp" else {})
+    assert mnist.method_config("fedprox-mlr")[1].mu == 0.01
+    assert mnist.method_config("pfedme-mlr")[1].lam == 5.0 and mnist.method_config("pfedme-mlp")[1].lam == 15.0
+    syn = load_params(PARAMS, [REPO / "config" / "pfedkd-synthetic.yaml"])
+    assert syn.dataset_partitions() == [("synthetic_0.5_0.5", "natural")] and syn.train.participation == 0.1
+    assert syn.method_train("fedavg-mlp").model_args == {"hidden": 20}  # the official code's synthetic MLP
+    assert syn.method_config("pfedme-mlp")[1].lam == 30.0
+    assert syn.method_config("pfedkdwcl-legacy-mlr")[1].legacy_last_client_grad

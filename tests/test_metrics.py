@@ -246,6 +246,31 @@ def test_summarize_run_personalized_method_deploys_personalized_model():
     assert s["avg_global_acc"] == approx(0.6)
 
 
+def test_deployed_accuracy_per_round_and_over_the_last_rounds():
+    """The pFedKD-WCL paper's "average test accuracy": per round, the unweighted mean over ALL
+    clients of the deployed model's local test accuracy; summarised at the final round and over
+    the last 10 evaluated rounds (here all 3)."""
+    per, s = summarize_run(_records(personalized=True), _rounds(SAMPLED), 3, has_global_model=True, personalized=True)
+    assert per["deployed_acc_mean"].tolist() == approx([0.1, 0.2, 0.6])  # personalized models
+    assert s["final10_client_acc_mean"] == approx(0.3)
+    per, s = summarize_run(_records(), _rounds(SAMPLED), 3, has_global_model=True, personalized=False)
+    assert per["deployed_acc_mean"].tolist() == approx([1.3 / 3, 1.4 / 3, 2.0 / 3])  # the global model
+    assert s["final10_client_acc_mean"] == approx(4.7 / 9)
+    # evaluated every other round: only the evaluated rounds count, the last 10 of 12
+    records = pd.concat([_rec_frame(r, 0.04 * r) for r in range(0, 24, 2)], ignore_index=True)
+    sampled = ["0"] * 24
+    per, s = summarize_run(validate(EvalRecords, records, "records"), _rounds(sampled), 3, has_global_model=True,
+                           personalized=True)
+    assert s["final10_client_acc_mean"] == approx(np.mean([0.04 * r for r in range(4, 24, 2)]))
+    assert s["final_client_acc_mean"] == approx(0.04 * 22)
+
+
+def _rec_frame(rnd: int, acc: float) -> pd.DataFrame:
+    rows = [_rec(rnd, "global_test", -1, 0.5)] + [_rec(rnd, "global_on_local", c, 0.5) for c in range(3)]
+    rows += [_rec(rnd, "personalized_on_local", c, acc) for c in range(3)]
+    return pd.DataFrame(rows)
+
+
 def test_summarize_run_without_global_model():
     per, s = summarize_run(_records(global_model=False, personalized=True), _rounds(SAMPLED), 3,
                            has_global_model=False, personalized=True)

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from medpfl.report import build_report
-from medpfl.report.paper import compare, load_paper_table, rank_agreement
+from medpfl.report.paper import PaperTable, compare, comparison_tables, load_paper_table, rank_agreement
 from tests.test_report import _summary, _write_run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,12 +50,11 @@ def test_compare_gives_diffs_and_ranks():
                                                      "c": {"avg_global_acc": 0.6, "avg_global_bwt": -0.3},
                                                      "x": {"avg_global_acc": 0.9, "avg_global_bwt": 0.0}}}}
 
-    class P:
-        metrics = {"avg_global_acc": {"label": "G", "higher_is_better": True},
-                   "avg_global_bwt": {"label": "B", "higher_is_better": True}}
-        values = {"ds": {"a": {"avg_global_acc": (0.4, 0.1), "avg_global_bwt": (-0.2, 0.1)},
-                         "b": {"avg_global_acc": (0.8, 0.1), "avg_global_bwt": (-0.1, 0.1)},
-                         "c": {"avg_global_acc": (0.6, None), "avg_global_bwt": (-0.15, 0.1)}}}
+    P = PaperTable("T", "S", {"avg_global_acc": {"label": "G", "higher_is_better": True},
+                              "avg_global_bwt": {"label": "B", "higher_is_better": True}},
+                   {"ds": {"a": {"avg_global_acc": (0.4, 0.1), "avg_global_bwt": (-0.2, 0.1)},
+                           "b": {"avg_global_acc": (0.8, 0.1), "avg_global_bwt": (-0.1, 0.1)},
+                           "c": {"avg_global_acc": (0.6, None), "avg_global_bwt": (-0.15, 0.1)}}}, Path("t.yaml"))
 
     df = compare(ours, P)
     assert set(df["method"]) == {"a", "b", "c"}  # "x" is not in the paper
@@ -113,3 +112,53 @@ def test_bad_paper_tables_fail_naming_the_file_and_key(tmp_path, content, match)
     with pytest.raises(ValueError):
         build_report(dirs, tmp_path / "report", paper_table=p)
     assert not (tmp_path / "report").exists()  # nothing written before the inputs are known good
+
+
+def test_partition_keyed_values_blocks_and_percent():
+    """A paper whose columns are our partitions (``<dataset>/<partition>`` keys) and which ranks
+    methods within blocks (one per model): ranks, correlations and the percent display."""
+    P = PaperTable("T", "S", {"acc": {"label": "Acc", "higher_is_better": True}},
+                   {"ds/p1": {"a-x": {"acc": (0.9, 0.01)}, "b-x": {"acc": (0.8, 0.01)}, "c-x": {"acc": (0.7, 0.01)},
+                              "a-y": {"acc": (0.95, 0.01)}, "b-y": {"acc": (0.5, 0.01)}},
+                    "ds": {"a-x": {"acc": (0.1, None)}}},
+                   Path("t.yaml"), blocks={"X": ["a-x", "b-x", "c-x"], "Y": ["a-y", "b-y"]}, percent=True)
+    ours = {"ds / p1": {"dataset": "ds", "partition": "p1",
+                        "methods": {"c-x": {"acc": 0.85}, "b-x": {"acc": 0.75}, "a-x": {"acc": 0.8},
+                                    "b-y": {"acc": 0.6}, "a-y": {"acc": 0.55}}},
+            "ds / p2": {"dataset": "ds", "partition": "p2", "methods": {"a-x": {"acc": 0.2}}}}
+    df = compare(ours, P)
+    g1 = df[df["group"] == "ds / p1"].set_index("method")
+    assert list(g1.index) == ["a-x", "b-x", "c-x", "a-y", "b-y"]  # the paper's order
+    assert g1["block"].to_dict() == {"a-x": "X", "b-x": "X", "c-x": "X", "a-y": "Y", "b-y": "Y"}
+    assert g1["rank_ours"].to_dict() == {"c-x": 1, "a-x": 2, "b-x": 3, "b-y": 1, "a-y": 2}  # within each block
+    assert g1["rank_paper"].to_dict() == {"a-x": 1, "b-x": 2, "c-x": 3, "a-y": 1, "b-y": 2}
+    # p2 has no key of its own: the dataset's values apply
+    assert df[df["group"] == "ds / p2"]["paper"].tolist() == [0.1]
+    agree = rank_agreement(df)
+    x = agree[(agree["group"] == "ds / p1") & (agree["block"] == "X")].iloc[0]
+    assert x["methods"] == 3 and x["spearman_rho"] == pytest.approx(-0.5)
+    y = agree[(agree["group"] == "ds / p1") & (agree["block"] == "Y")].iloc[0]
+    assert y["methods"] == 2 and math.isnan(y["spearman_rho"])
+    t = dict(comparison_tables(df, agree, percent=True)["ds / p1"])["Acc"].set_index("Method")
+    assert t.loc["c-x", "ours"] == "85.00" and t.loc["c-x", "paper"] == "70.00 ± 1.00"
+    assert t.loc["c-x", "ours − paper"] == "+15.00" and t.loc["a-y", "ours − paper"] == "-40.00"
+    assert dict(comparison_tables(df, agree)["ds / p1"])["Acc"].set_index("Method").loc["c-x", "ours"] == "0.850"
+
+
+@pytest.mark.parametrize("name", ["pfedkd-table1.yaml", "pfedkd-table2.yaml"])
+def test_the_pfedkd_tables_match_the_spec(name):
+    """Spot checks against the verbatim tables of methods-pfedkdwcl-epfl.md A.5, and the study's
+    partitions and method variants as keys."""
+    t = load_paper_table(REPO / "config" / "papers" / name)
+    assert t.percent and set(t.blocks) == {"MLR", "MLP"}
+    for key, methods in t.values.items():
+        assert set(methods) == set(t.blocks["MLR"]) | set(t.blocks["MLP"]), key
+    if name == "pfedkd-table1.yaml":
+        assert set(t.values) == {f"mnist/{p}" for p in ("a0.5-top2-n20", "a0.5-top2-n50", "a0.05-n20", "a0.05-n50")}
+        assert t.values["mnist/a0.05-n20"]["fedavg-mlr"]["final_client_acc_mean"] == (0.8105, 0.003)
+        assert t.values["mnist/a0.05-n50"]["fedgkd-mlp"]["final_client_acc_mean"] == (0.9879, 0.0001)
+        assert t.values["mnist/a0.5-top2-n50"]["pfedkdwcl-mlr"]["final_client_acc_mean"] == (0.9797, 0.0001)
+    else:
+        assert set(t.values) == {"synthetic_0.5_0.5"}
+        assert t.values["synthetic_0.5_0.5"]["fedgkd-mlp"]["final_client_acc_mean"] == (0.2278, 0.0001)
+        assert t.values["synthetic_0.5_0.5"]["pfedkdwcl-mlr"]["final_client_acc_mean"] == (0.8948, 0.0001)

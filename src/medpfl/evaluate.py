@@ -59,6 +59,19 @@ def run_curves(per: pd.DataFrame, out: Path, title: str) -> None:
     plt.close(fig)
 
 
+def global_test_status(views: set[str]) -> str:
+    """Why a run's global-test metrics are present or null, from the views it recorded:
+    ``"evaluated"``; ``"not applicable: the data set has no global test set"`` (a global model
+    scored on local splits only, e.g. Synthetic(alpha, beta)); ``"not applicable: the method has
+    no single global model"``. Written to ``metrics.json`` and as the MLflow tag ``global_test``,
+    so a null column reads as not applicable rather than as a failure."""
+    if "global_test" in views:
+        return "evaluated"
+    if "global_on_local" in views:
+        return "not applicable: the data set has no global test set"
+    return "not applicable: the method has no single global model"
+
+
 def evaluate_run(run_dir: Path) -> dict:
     """Compute and write the run's metrics; return the summary dict."""
     job = read_json(run_dir / "job.json")
@@ -75,11 +88,14 @@ def evaluate_run(run_dir: Path) -> dict:
     run_file = run_dir / "mlflow_run.json"
     run_id = read_json(run_file)["run_id"] if run_file.exists() else None
     meta = {k: job[k] for k in ("study", "dataset", "partition", "method", "algorithm", "seed")}
-    write_json(run_dir / "metrics.json", {**meta, "mlflow_run_id": run_id, "summary": summary})
+    global_test = global_test_status(views)
+    write_json(run_dir / "metrics.json", {**meta, "mlflow_run_id": run_id, "global_test": global_test,
+                                          "summary": summary})
     if run_id is not None:
         from medpfl.tracking import RunLogger
 
         lg = RunLogger.reopen(run_file)
+        lg.set_tags({"global_test": global_test})
         lg.log_metrics({k: v for k, v in summary.items() if isinstance(v, (int, float))})
         for _, row in per.iterrows():
             lg.log_metrics({c: row[c] for c in ("bwt", "global_on_local_worst", "local_acc_worst") if pd.notna(row[c])},

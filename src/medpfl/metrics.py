@@ -162,6 +162,10 @@ def summarize_run(records: pd.DataFrame, rounds: pd.DataFrame, num_clients: int,
     per["personalized_acc_mean"] = pv["accuracy"].mean().reindex(r_all).to_numpy()
     per["personalized_acc_worst"] = pv["accuracy"].min().reindex(r_all).to_numpy()
 
+    # The model each client deploys, on its own local test split, unweighted mean over all
+    # clients (the pFedKD-WCL paper's "average test accuracy", spec A.3.4).
+    per["deployed_acc_mean"] = per["personalized_acc_mean" if personalized else "global_on_local_mean"]
+
     for col in ("bytes_up", "bytes_down", "train_seconds", "eval_seconds", "round_seconds"):
         per[col] = rounds[col].to_numpy()
     per["cum_seconds"] = per["round_seconds"].cumsum()
@@ -204,6 +208,10 @@ def summarize_run(records: pd.DataFrame, rounds: pd.DataFrame, num_clients: int,
     s["final_client_acc_mean"] = _nanstat(np.mean, final["accuracy"]) if len(final) else float("nan")
     s["final_client_acc_worst"] = _nanstat(np.min, final["accuracy"]) if len(final) else float("nan")
     s["final_client_bal_acc_mean"] = _nanstat(np.mean, final["balanced_accuracy"]) if len(final) else float("nan")
+    # The same over the last 10 evaluated rounds: a check that the final round is not an outlier
+    # (pFedKD-WCL spec A.1.6 item 7).
+    dep = per["deployed_acc_mean"].dropna().to_numpy()
+    s["final10_client_acc_mean"] = float(np.mean(dep[-10:])) if len(dep) else float("nan")
     lg = view("local_on_global_test")
     s["final_local_models_on_global_test"] = _nanstat(np.mean, lg["accuracy"]) if len(lg) else float("nan")
 

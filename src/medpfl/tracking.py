@@ -195,6 +195,11 @@ class RunLogger:
         for i in range(0, len(ms), 500):
             retry(self.client.log_batch, self.run_id, metrics=ms[i:i + 500])
 
+    def set_tags(self, tags: dict[str, str]) -> None:
+        from mlflow.entities import RunTag
+
+        retry(self.client.log_batch, self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
         retry(self.client.log_artifact, self.run_id, str(path), artifact_path)
 

@@ -88,7 +88,7 @@ def build_report(run_dirs: list[Path], out_dir: Path, partition_figures: list[Pa
         ours, seeds, rounds = {}, {}, {}
         for (ds, part), methods in groups(runs).items():
             g = f"{ds} / {part}"
-            ours[g] = {"dataset": ds, "methods": {m: {k: seed_mean(rs, k) for k in paper.metrics}
+            ours[g] = {"dataset": ds, "partition": part, "methods": {m: {k: seed_mean(rs, k) for k in paper.metrics}
                                                   for m, rs in methods.items()}}
             seeds.update({f"{g}/{m}": len(rs) for m, rs in methods.items()})
             rounds.update({f"{g}/{m}": rs[0].summary.get("rounds") for m, rs in methods.items()})
@@ -101,7 +101,7 @@ def build_report(run_dirs: list[Path], out_dir: Path, partition_figures: list[Pa
         with atomic_path(paths["paper_agreement_csv"]) as tmp:
             agreement.to_csv(tmp, index=False)
         section = (f"Side by side with the paper: {paper.title}", paper_caption(paper, seeds, rounds),
-                   comparison_tables(df, agreement))
+                   comparison_tables(df, agreement, paper.percent))
     with atomic_path(paths["summary_csv"]) as tmp:
         summary_frame(runs).to_csv(tmp, index=False)
     write_json(paths["summary_json"], summary_metrics(runs))

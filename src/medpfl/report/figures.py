@@ -14,10 +14,11 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 from medpfl.io import atomic_path  # noqa: E402
 from medpfl.report.tables import Run, groups  # noqa: E402
 
-#: (column of round_metrics.csv, subplot title)
+#: (column of round_metrics.csv, subplot title, y label)
 PANELS = (
-    ("global_test_acc", "Global model on global test set"),
-    ("local_bal_acc_mean", "Sampled clients after local training (balanced acc)"),
+    ("global_test_acc", "Global model on global test set", "accuracy"),
+    ("local_bal_acc_mean", "Sampled clients after local training (balanced acc)", "balanced accuracy"),
+    ("deployed_acc_mean", "Deployed model, all clients' local tests (mean)", "accuracy"),
 )
 
 
@@ -27,7 +28,7 @@ def seed_curve(runs: list[Run], column: str) -> pd.DataFrame:
     Dropping NaN rows before aggregating makes runs evaluated every N rounds draw a line
     through their evaluated rounds. Empty frame when the column is all NaN in every run.
     """
-    parts = [r.rounds[["round", column]].dropna() for r in runs]
+    parts = [r.rounds[["round", column]].dropna() for r in runs if column in r.rounds]
     parts = [p for p in parts if len(p)]
     if not parts:
         return pd.DataFrame(columns=["mean", "min", "max", "count"])
@@ -54,7 +55,7 @@ def plot_curves(runs: list[Run], path: str | Path, dpi: int = 120) -> Path:
     fig, axes = plt.subplots(nrows, len(PANELS), figsize=(6.5 * len(PANELS), 3.8 * nrows), squeeze=False)
     try:
         for row, ((ds, part), methods) in enumerate(grouped.items()):
-            for col, (column, panel_title) in enumerate(PANELS):
+            for col, (column, panel_title, ylabel) in enumerate(PANELS):
                 ax = axes[row][col]
                 drawn = 0
                 for method, rs in methods.items():
@@ -71,13 +72,13 @@ def plot_curves(runs: list[Run], path: str | Path, dpi: int = 120) -> Path:
                 ax.set_title(f"{ds} / {part}: {panel_title}", fontsize=10)
                 ax.set_xlabel("round")
                 ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-                ax.set_ylabel("accuracy" if col == 0 else "balanced accuracy")
+                ax.set_ylabel(ylabel)
                 ax.set_ylim(0.0, 1.0)
                 ax.grid(True, alpha=0.3)
                 if drawn:
                     ax.legend(fontsize=8, loc="lower right")
                 else:
-                    ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="grey")
+                    ax.text(0.5, 0.5, "not applicable / no data", ha="center", va="center", transform=ax.transAxes, color="grey")
         fig.suptitle("Accuracy per round (line: mean over seeds; band: min–max over seeds)", fontsize=11)
         fig.tight_layout()
         with atomic_path(path) as tmp:
