@@ -158,3 +158,36 @@ def test_doctor_and_sync_after_a_version_switch(dvc_repo):
     assert "Nothing to be done" in dry, dry[-3000:]
     assert _rounds_of(repo / RUNS / "fedavg" / "seed1") == 2
     _dvc_status_clean(repo, env)
+
+
+def test_push_to_a_local_remote_and_pull_into_a_fresh_clone(dvc_repo, tmp_path):
+    """The documented way to share a study (docs/pipeline.md): commit dvc.lock, `dvc push` to a
+    remote (a local folder here, as a team share), then in a fresh clone `dvc pull` restores the
+    data, the runs and the report byte for byte, `dvc status` is clean (nothing re-runs), and
+    `medpfl sync` makes Snakemake agree."""
+    repo, env = dvc_repo
+    dvc, medpfl, smk = tool("dvc"), tool("medpfl"), tool("snakemake")
+    run([dvc, "repro"], cwd=repo, env=env, merge=True)
+    remote = tmp_path / "team-remote"
+    run([dvc, "remote", "add", "-d", "team", str(remote)], cwd=repo, env=env)
+    run(["git", "add", "-A"], cwd=repo, env=env)
+    run(["git", "commit", "-q", "-m", "study results and the team remote"], cwd=repo, env=env)
+    run([dvc, "push"], cwd=repo, env=env, merge=True)
+    assert any(remote.rglob("*")), "dvc push wrote nothing to the remote"
+
+    clone = tmp_path / "clone"
+    run(["git", "clone", "-q", str(repo), str(clone)], cwd=tmp_path, env=env)
+    assert not (clone / RUNS).exists()  # the outputs are not in git
+    pulled = run([dvc, "pull"], cwd=clone, env=env, merge=True).stdout
+    assert "error" not in pulled.lower(), pulled
+    for pattern in ("data/partitions/**/*.parquet", f"{RUNS}/**/*.parquet", f"results/{STUDY}/report/*"):
+        here = {k: v[1] for k, v in snapshot(repo, pattern).items()}
+        there = {k: v[1] for k, v in snapshot(clone, pattern).items()}
+        assert here and here == there, pattern  # same files, same bytes
+    _dvc_status_clean(clone, env)
+    repro = run([dvc, "repro"], cwd=clone, env=env, merge=True).stdout
+    assert "Running stage" not in repro, repro[-3000:]
+    sync = run([medpfl, "sync"], cwd=clone, env=env, check=False, merge=True)
+    assert sync.returncode == 0, sync.stdout[-3000:]
+    dry = run([smk, "--dry-run", "--cores", "1"], cwd=clone, env=env, merge=True).stdout
+    assert "Nothing to be done" in dry, dry[-3000:]
