@@ -11,6 +11,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from scipy import stats
+
 from medpfl.report import build_report
 from medpfl.report.tables import SUMMARY_KEYS
 
@@ -71,15 +73,43 @@ def runs(tmp_path: Path) -> list[Path]:
     return [_write_run(root, m, s) for m in ("fedavg", "fedkper", "local") for s in (1, 2)]
 
 
-def _table1_rows(md: str) -> dict[str, list[str]]:
-    """Strategy -> cells of the Table 1 block in table.md."""
-    block = md.split("### Table 1 (FedKPer paper convention)")[1].split("###")[0]
+def _rows(md: str, heading: str) -> dict[str, list[str]]:
+    """First column -> the other cells of the first table after ``### <heading>`` in table.md."""
+    block = md.split(f"### {heading}")[1].split("###")[0]
     rows = {}
     for line in block.splitlines():
         if line.startswith("|") and not set(line) <= set("|-: "):
             cells = [c.strip() for c in line.strip("|").split("|")]
             rows[cells[0]] = cells[1:]
     return rows
+
+
+def _table1_rows(md: str) -> dict[str, list[str]]:
+    """Strategy -> cells of the Table 1 block in table.md (seeds, rounds, then the metric columns)."""
+    return _rows(md, "Table 1 (FedKPer paper convention)")
+
+
+def _ci(values, nd: int = 3) -> str:
+    """``mean ± half-width`` of the 95 % t interval over seeds (ddof=1), as the report prints it."""
+    v = np.asarray(values, dtype=float)
+    half = stats.t.ppf(0.975, len(v) - 1) * v.std(ddof=1) / np.sqrt(len(v))
+    return f"{v.mean():.{nd}f} ± {half:.{nd}f}"
+
+
+#: Table 1 cells after seeds and rounds: (value key, key of the std over rounds beside it or None).
+T1 = (("avg_global_acc", "avg_global_acc_std_rounds"), ("avg_global_bwt", "avg_global_bwt_std_rounds"),
+      ("global_consistency", None), ("avg_local_acc", "avg_local_acc_std_rounds"),
+      ("avg_worst_client_acc", None), ("local_consistency", None), ("balance", None))
+
+
+def _t1_index(key: str) -> int:
+    """Index of a value key's cell in a :func:`_table1_rows` row."""
+    i = 2
+    for k, r in T1:
+        if k == key:
+            return i
+        i += 2 if r else 1
+    raise KeyError(key)
 
 
 def _png_ok(data: bytes) -> bool:
@@ -93,7 +123,7 @@ def _png_ok(data: bytes) -> bool:
 def test_build_report_writes_all_files(runs: list[Path], tmp_path: Path) -> None:
     out = tmp_path / "report"
     paths = build_report(runs, out, title="Test study")
-    assert set(paths) == {"summary_csv", "table_md", "table_html", "curves_png", "summary_json"}
+    assert set(paths) == {"summary_csv", "table_md", "table_html", "curves_png", "summary_json", "paired_csv"}
     for p in paths.values():
         assert Path(p).is_file() and Path(p).parent == out
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary files left behind
@@ -102,58 +132,66 @@ def test_build_report_writes_all_files(runs: list[Path], tmp_path: Path) -> None
 def test_table1_paper_convention(runs: list[Path], tmp_path: Path) -> None:
     paths = build_report(runs, tmp_path / "report")
     md = paths["table_md"].read_text(encoding="utf-8")
-    header = ("| Strategy | Avg Global Acc ↑ | Avg Global BwT ↑ | Avg Global Consistency ↑ | Avg Local Acc ↑ "
+    header = ("| Strategy | seeds | rounds | Avg Global Acc ↑ | Avg Global Acc: std over rounds (paper's ±) "
+              "| Avg Global BwT ↑ | Avg Global BwT: std over rounds (paper's ±) | Avg Global Consistency ↑ "
+              "| Avg Local Acc ↑ | Avg Local Acc: std over rounds (paper's ±) "
               "| Avg Worst Client Acc ↑ | Avg Local Consistency ↑ | Balance ↑ |")
     assert " ".join(header.split()) in " ".join(md.split())
+    assert "### Table 1 (FedKPer paper convention)\n\nMean ± 95 % CI over seeds in every value column" in md
     rows = _table1_rows(md)
     assert list(rows) == ["Strategy", "fedavg", "fedkper", "local"]  # order of first appearance
 
     for method in ("fedavg", "fedkper"):
         s = [_summary(method, seed) for seed in (1, 2)]
         cells = rows[method]
-        # Acc / BwT / Local Acc: mean over seeds ± mean over seeds of the std over rounds.
-        for i, (key, std_key) in enumerate([("avg_global_acc", "avg_global_acc_std_rounds"),
-                                            ("avg_global_bwt", "avg_global_bwt_std_rounds")]):
-            exp = f"{np.mean([x[key] for x in s]):.3f} ± {np.mean([x[std_key] for x in s]):.3f}"
-            assert cells[i] == exp
-        exp_local = (f"{np.mean([x['avg_local_acc'] for x in s]):.3f} ± "
-                     f"{np.mean([x['avg_local_acc_std_rounds'] for x in s]):.3f}")
-        assert cells[3] == exp_local
-        # Consistencies and worst client: mean ± population std over seeds.
-        for i, key in ((2, "global_consistency"), (4, "avg_worst_client_acc"), (5, "local_consistency")):
-            vals = np.array([x[key] for x in s])
-            assert cells[i] == f"{vals.mean():.3f} ± {vals.std(ddof=0):.3f}"
-        assert cells[6] == f"{np.mean([x['balance'] for x in s]):.3f}"
-    # Spot check of the hand computation for fedavg: seeds give 0.42/0.44 and std-rounds 0.11/0.12.
-    assert rows["fedavg"][0] == "0.430 ± 0.115"
-    assert rows["fedavg"][2] == "0.745 ± 0.015"  # consistency 0.73 / 0.76: seed std 0.015, not a rounds std
+        assert cells[:2] == ["2", str(ROUNDS)]  # seeds and rounds behind the row
+        # every value: mean over seeds ± half-width of the 95 % t interval over seeds
+        for key, rounds_key in T1:
+            i = _t1_index(key)
+            assert cells[i] == _ci([x[key] for x in s]), (method, key)
+            if rounds_key:  # beside it, the paper's ±: the mean over seeds of the std over rounds
+                assert cells[i + 1] == f"{np.mean([x[rounds_key] for x in s]):.3f}", (method, rounds_key)
+    # Spot check by hand for fedavg: seeds give 0.42/0.44 (s = 0.01414, sem = 0.01, t(0.975, 1) = 12.706)
+    # and std over rounds 0.11/0.12.
+    assert rows["fedavg"][2:4] == ["0.430 ± 0.127", "0.115"]
+    assert rows["fedavg"][_t1_index("global_consistency")] == "0.745 ± 0.191"  # 0.73 / 0.76
 
     local = rows["local"]
-    assert local[0] == local[1] == local[2] == local[6] == "—"
-    assert local[3] != "—" and "±" in local[3]
-    assert "class-balanced accuracy" in md and "std over rounds" in md and "std over seeds" in md
+    for key in ("avg_global_acc", "avg_global_bwt", "global_consistency", "balance"):
+        assert local[_t1_index(key)] == "—"
+    assert local[3] == local[5] == "—"  # no std over rounds of a global accuracy either
+    assert "±" in local[_t1_index("avg_local_acc")]
+    assert "class-balanced accuracy" in md and "std over rounds" in md and "95 % Student t confidence interval" in md
+    assert "std over seeds (population" not in md
 
 
-def test_single_seed_has_no_seed_std(tmp_path: Path) -> None:
+def test_single_seed_says_no_interval(tmp_path: Path) -> None:
     d = _write_run(tmp_path / "runs", "fedavg", 1)
     md = build_report([d], tmp_path / "report")["table_md"].read_text(encoding="utf-8")
     cells = _table1_rows(md)["fedavg"]
     s = _summary("fedavg", 1)
-    assert cells[0] == f"{s['avg_global_acc']:.3f} ± {s['avg_global_acc_std_rounds']:.3f}"
-    assert cells[2] == f"{s['global_consistency']:.3f} ± n/a"
+    assert cells[:2] == ["1", str(ROUNDS)]
+    assert cells[2] == f"{s['avg_global_acc']:.3f} (1 seed: no interval)"
+    assert cells[3] == f"{s['avg_global_acc_std_rounds']:.3f}"  # the paper's ± stays, labelled as std over rounds
+    assert cells[_t1_index("global_consistency")] == f"{s['global_consistency']:.3f} (1 seed: no interval)"
+    assert "±" not in " ".join(cells)
+    plain = _rows(md, "Plain summary")["fedavg"]
+    assert plain[2] == f"{s['final_global_acc']:.3f} (1 seed: no interval)"
+    assert "1 seed: no interval" in md.split("### Plain summary")[1]  # the caption says it too
 
 
 def test_plain_table(runs: list[Path], tmp_path: Path) -> None:
     md = build_report(runs, tmp_path / "report")["table_md"].read_text(encoding="utf-8")
-    block = md.split("### Plain summary (mean ± std over seeds)")[1].split("##")[0]
-    lines = [ln for ln in block.splitlines() if ln.startswith("| fedavg")]
-    cells = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert "### Plain summary (mean ± 95 % CI over seeds)" in md
+    rows = _rows(md, "Plain summary")
+    assert rows["Strategy"][:3] == ["seeds", "rounds", "Final Global Acc"]
+    cells = rows["fedavg"]
     s = [_summary("fedavg", seed) for seed in (1, 2)]
-    fga = np.array([x["final_global_acc"] for x in s])
-    mb = np.array([x["mb_per_round"] for x in s])
-    assert cells[1] == f"{fga.mean():.3f} ± {fga.std():.3f}"
-    assert cells[6] == f"{mb.mean():.2f} ± {mb.std():.2f}"
-    assert cells[-1] == "2"
+    assert cells[:2] == ["2", str(ROUNDS)]
+    assert cells[2] == _ci([x["final_global_acc"] for x in s])
+    assert cells[7] == _ci([x["mb_per_round"] for x in s], nd=2)
+    assert cells[7] == "2.25 ± 9.53"  # 1.5 / 3.0: sem 0.75 x t(0.975, 1) 12.706
+    assert rows["local"][2] == "—"
 
 
 def test_summary_csv_and_json(runs: list[Path], tmp_path: Path) -> None:
@@ -193,7 +231,7 @@ def test_figures_and_html(runs: list[Path], tmp_path: Path) -> None:
     page = paths["table_html"].read_text(encoding="utf-8")
     assert page.count("data:image/png;base64,") == 2  # curves + the partition figure
     assert "Table 1 (FedKPer paper convention)" in page and "Avg Global Acc ↑" in page
-    assert "Plain summary (mean ± std over seeds)" in page
+    assert "Plain summary (mean ± 95 % CI over seeds)" in page and "Paired comparison vs fedavg" in page
     assert "My &lt;study&gt;" in page and "<style>" in page
     assert "http://" not in page and "https://" not in page and 'src="data:' in page
     assert "<td>—</td>" in page  # null global metrics of "local"
@@ -248,4 +286,5 @@ def test_all_nan_seed_values_are_null(tmp_path: Path) -> None:
     (d / "metrics.json").write_text(json.dumps(meta))
     paths = build_report([d], tmp_path / "report")
     assert json.loads(paths["summary_json"].read_text())["bloodmnist"]["dir0.1"]["fedavg"]["global_consistency"] is None
-    assert _table1_rows(paths["table_md"].read_text(encoding="utf-8"))["fedavg"][2] == "—"
+    cells = _table1_rows(paths["table_md"].read_text(encoding="utf-8"))["fedavg"]
+    assert cells[_t1_index("global_consistency")] == "—"

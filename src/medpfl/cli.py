@@ -102,7 +102,8 @@ def cmd_report(a) -> None:
     from medpfl.report import build_report
 
     paths = build_report([Path(p) for p in a.runs], Path(a.out_dir), [Path(p) for p in a.partition_figures],
-                         title=a.title or "", paper_table=Path(a.paper_table) if a.paper_table else None)
+                         title=a.title or "", paper_table=Path(a.paper_table) if a.paper_table else None,
+                         reference=a.reference)
     if a.parent:
         from medpfl.tracking import log_study
 
@@ -192,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--parent", help="parent.json: log the study params and the report to the parent run")
     s.add_argument("--study-params", help="JSON of the study's resolved params")
     s.add_argument("--paper-table", help="a paper's table as data (report.paper_table): add the side-by-side")
+    s.add_argument("--reference", help="the method the others are compared with, paired by seed (report.reference; "
+                                       "default: fedavg when present, else the first method)")
     s.set_defaults(fn=cmd_report)
 
     s = sub.add_parser("check-params", help="validate params.yaml (+ overlays) and exit")

@@ -226,9 +226,14 @@ class EvalConfig(_Strict):
 class ReportConfig(_Strict):
     """paper_table: a paper's table as data (e.g. ``config/papers/fedkper-table1.yaml``, relative
     to the project root): the report adds our value, the paper's, the difference and both
-    rankings per method and metric (:mod:`medpfl.report.paper`)."""
+    rankings per method and metric (:mod:`medpfl.report.paper`).
+
+    reference: the method every other method is compared with, paired by seed (mean difference
+    and its 95 % confidence interval, :mod:`medpfl.report.stats`); one of ``methods``. Unset:
+    ``fedavg`` when the study has it, else the first method (:meth:`Params.report_reference`)."""
 
     paper_table: str | None = None
+    reference: str | None = None
 
 
 class MlflowConfig(_Strict):
@@ -372,6 +377,18 @@ class Params(_Strict):
         for name in self.method_params:
             resolve_method(name, self.method_params)
         return self
+
+    @model_validator(mode="after")
+    def _report_reference(self) -> "Params":
+        ref = self.report.reference
+        if ref is not None and ref not in self.methods:
+            raise ValueError(f"report.reference: {ref!r} is not one of the study's methods {self.methods}")
+        return self
+
+    def report_reference(self) -> str:
+        """The report's reference method: ``report.reference``, else ``fedavg`` when the study
+        has it, else the first method (:func:`medpfl.report.stats.resolve_reference`)."""
+        return self.report.reference or ("fedavg" if "fedavg" in self.methods else self.methods[0])
 
     @model_validator(mode="after")
     def _method_train(self) -> "Params":

@@ -86,5 +86,5 @@ def report_outputs():
     return expand(
         "results/{study}/report/{f}",
         study=STUDY,
-        f=["table.md", "table.html", "summary.csv", "summary.json", "curves.png"],
+        f=["table.md", "table.html", "summary.csv", "summary.json", "curves.png", "paired.csv"],
     )

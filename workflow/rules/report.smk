@@ -1,5 +1,6 @@
-# Tables and figures across methods (mean +- std over seeds, FedKPer Table 1 shape); the
-# study's resolved params and the tables are logged to the MLflow parent run.
+# Tables and figures across methods (mean +- 95 % CI over seeds, FedKPer Table 1 shape, paired
+# comparisons with report.reference); the study's resolved params and the tables are logged to
+# the MLflow parent run.
 
 
 rule report:
@@ -14,12 +15,14 @@ rule report:
         html=report("results/{study}/report/table.html", caption="../report/table.rst", category="Results"),
         summary="results/{study}/report/summary.csv",
         metrics="results/{study}/report/summary.json",
+        paired="results/{study}/report/paired.csv",
         curves=report("results/{study}/report/curves.png", caption="../report/curves.rst", category="Results"),
     params:
         runs=run_dirs(),
         study=study_json,
         code=code_hash("report"),
         paper=f"--paper-table {PARAMS.report.paper_table}" if PARAMS.report.paper_table else "",
+        reference=f"--reference {PARAMS.report.reference}" if PARAMS.report.reference else "",
     log:
         "logs/report/{study}.log",
     conda:
@@ -28,7 +31,7 @@ rule report:
         "medpfl report --runs {params.runs} --partition-figures {input.figures} "
         "--out-dir $(dirname {output.table}) --title 'medpfl study {wildcards.study}' "
         "--parent {input.parent} --study-params {params.study} "
-        "{params.paper} > {log} 2>&1"
+        "{params.paper} {params.reference} > {log} 2>&1"
 
 
 rule report_all:

@@ -13,8 +13,9 @@ from pathlib import Path
 from medpfl.io import atomic_path, write_json
 from medpfl.report.figures import plot_curves
 from medpfl.report.paper import compare, comparison_tables, load_paper_table, paper_caption, rank_agreement
-from medpfl.report.tables import (groups, load_runs, render_html, render_markdown, seed_mean, summary_frame,
-                                  summary_metrics)
+from medpfl.report.stats import resolve_reference
+from medpfl.report.tables import (groups, load_runs, paired, render_html, render_markdown, seed_interval, seed_mean,
+                                  summary_frame, summary_metrics)
 
 __all__ = ["build_report"]
 
@@ -33,7 +34,7 @@ def _write_utf8(path: Path, text: str) -> None:
 
 
 def build_report(run_dirs: list[Path], out_dir: Path, partition_figures: list[Path] = (),
-                 title: str = "", paper_table: Path | None = None) -> dict:
+                 title: str = "", paper_table: Path | None = None, reference: str | None = None) -> dict:
     """Summarise finished runs into tables, a figure and the DVC metrics file.
 
     Reads ``metrics.json`` and ``round_metrics.csv`` from every folder in ``run_dirs`` (one
@@ -41,18 +42,25 @@ def build_report(run_dirs: list[Path], out_dir: Path, partition_figures: list[Pa
 
     * ``summary.csv``: one row per run (identity columns and every per-run summary key);
     * ``table.md`` and ``table.html``: for each (dataset, partition), one row per method in the
-      order methods first appear in ``run_dirs``:
+      order methods first appear in ``run_dirs``, with the number of seeds and rounds behind it;
+      every number is the mean over seeds ``±`` the half-width of its 95 % Student t confidence
+      interval over seeds (ddof=1; ``value (1 seed: no interval)`` where one seed has a value;
+      :mod:`medpfl.report.stats`):
 
-      - "Table 1 (FedKPer paper convention)", as in Table 1 of Fowler & AlRegib, "FedKPer"
-        (ICIP 2026), following ``../shared/docs/fedkper-protocol.md`` §4.2: Avg Global Acc,
-        Avg Global BwT and Avg Local Acc show the mean over seeds of each run's round average
-        ``±`` the mean over seeds of each run's **std over rounds**; Avg Global Consistency,
-        Avg Worst Client Acc and Avg Local Consistency show the mean ``±`` the **std over seeds**
-        (population, ddof=0; ``± n/a`` with one seed); Balance is the seed mean with no ``±``;
-      - "Plain summary (mean ± std over seeds)": final accuracies, MB and seconds per round.
+      - "Table 1 (FedKPer paper convention; ...)", the columns of Table 1 of Fowler & AlRegib,
+        "FedKPer" (ICIP 2026); the paper's own ``±`` on Avg Global Acc, Avg Global BwT and Avg Local
+        Acc (the mean over seeds of each run's **std over rounds**, ``../shared/docs/fedkper-protocol.md``
+        §4.2) is a separate column beside each, labelled "std over rounds (paper's ±)";
+      - "Plain summary (...)": final accuracies, MB and seconds per round;
+      - "Paired comparison vs <reference>": per method and metric, the mean over shared seeds of
+        (method − reference) with its 95 % t interval and whether it excludes 0.
 
       A null value renders as "—". ``table.html`` is a self-contained page (inline CSS) that
       embeds ``curves.png`` and every file in ``partition_figures`` as base64 data URIs;
+    * ``paired.csv``: the paired comparisons, one row per group, method (other than the
+      reference) and metric (:data:`medpfl.report.stats.PAIRED_COLUMNS`). ``reference`` is
+      ``report.reference``: a method of the runs; None: ``fedavg`` when present, else the first
+      method (per group; a group without the given reference falls back the same way);
     * ``curves.png``: global test accuracy and sampled clients' balanced accuracy after local
       training per round, one row per (dataset, partition), mean over seeds with a min–max band;
     * ``summary.json``: ``{dataset: {partition: {method: {metric: mean over seeds}}}}`` (null
@@ -62,10 +70,11 @@ def build_report(run_dirs: list[Path], out_dir: Path, partition_figures: list[Pa
       ±, the difference, both ranks) and ``paper_agreement.csv`` (Spearman rho of the rankings and
       mean |difference| per metric); the side-by-side tables are added to table.md/html.
 
-    Raises ``ValueError("report: no runs given")`` for an empty ``run_dirs``, and
+    Raises ``ValueError("report: no runs given")`` for an empty ``run_dirs``, ``ValueError``
+    naming ``report.reference`` when ``reference`` is not a method of the runs, and
     ``FileNotFoundError`` / ``ValueError`` naming the file when an input is missing or
     unreadable. Returns ``{"summary_csv", "table_md", "table_html", "curves_png",
-    "summary_json"}`` mapped to the paths written.
+    "summary_json", "paired_csv"}`` (and the paper files) mapped to the paths written.
     """
     run_dirs = [Path(d) for d in run_dirs]
     if not run_dirs:
@@ -73,6 +82,8 @@ def build_report(run_dirs: list[Path], out_dir: Path, partition_figures: list[Pa
     runs = load_runs(run_dirs)
     figures = [_embed(p) for p in partition_figures]  # fail on a missing figure before writing anything
     paper = load_paper_table(paper_table) if paper_table else None  # likewise for a bad paper table
+    if reference is not None:  # likewise for a reference that is not a method of the runs
+        resolve_reference(list(dict.fromkeys(r.meta["method"] for r in runs)), reference)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {
@@ -81,6 +92,7 @@ def build_report(run_dirs: list[Path], out_dir: Path, partition_figures: list[Pa
         "table_html": out_dir / "table.html",
         "curves_png": out_dir / "curves.png",
         "summary_json": out_dir / "summary.json",
+        "paired_csv": out_dir / "paired.csv",
     }
 
     section = None
@@ -89,7 +101,8 @@ def build_report(run_dirs: list[Path], out_dir: Path, partition_figures: list[Pa
         for (ds, part), methods in groups(runs).items():
             g = f"{ds} / {part}"
             ours[g] = {"dataset": ds, "partition": part, "methods": {m: {k: seed_mean(rs, k) for k in paper.metrics}
-                                                  for m, rs in methods.items()}}
+                                                  for m, rs in methods.items()},
+                     "intervals": {m: {k: seed_interval(rs, k) for k in paper.metrics} for m, rs in methods.items()}}
             seeds.update({f"{g}/{m}": len(rs) for m, rs in methods.items()})
             rounds.update({f"{g}/{m}": rs[0].summary.get("rounds") for m, rs in methods.items()})
         df = compare(ours, paper)
@@ -105,9 +118,12 @@ def build_report(run_dirs: list[Path], out_dir: Path, partition_figures: list[Pa
     with atomic_path(paths["summary_csv"]) as tmp:
         summary_frame(runs).to_csv(tmp, index=False)
     write_json(paths["summary_json"], summary_metrics(runs))
+    with atomic_path(paths["paired_csv"]) as tmp:
+        paired(runs, reference)[0].to_csv(tmp, index=False)
     plot_curves(runs, paths["curves_png"])
-    _write_utf8(paths["table_md"], render_markdown(runs, title, curves_name=paths["curves_png"].name, paper=section))
+    _write_utf8(paths["table_md"], render_markdown(runs, title, curves_name=paths["curves_png"].name, paper=section,
+                                                    reference=reference))
     curves = ("Accuracy per round (line: mean over seeds; band: min–max over seeds)", "image/png",
               base64.b64encode(paths["curves_png"].read_bytes()).decode("ascii"))
-    _write_utf8(paths["table_html"], render_html(runs, title, [curves, *figures], paper=section))
+    _write_utf8(paths["table_html"], render_html(runs, title, [curves, *figures], paper=section, reference=reference))
     return paths

@@ -13,8 +13,9 @@ their source::
 A study names it in ``report.paper_table``. For every (dataset, partition) group of the study
 that the paper reports (a ``<dataset>/<partition>`` key, else the ``<dataset>`` key: a paper
 table whose columns are our partitions names them), and every method both have, the comparison
-gives per metric: ours (the mean over seeds, as the study's Table 1), the paper's value and its
-±, ours − paper, our rank and the paper's rank among the methods compared (1 = best), and per
+gives per metric: ours (the mean over seeds, as the study's Table 1, with its 95 % t confidence
+interval over seeds where the caller gives one), the paper's value and its ±, ours − paper, our
+rank and the paper's rank among the methods compared (1 = best), and per
 metric the Spearman rank correlation of the two orderings (``scipy.stats.spearmanr``; needs 3 or
 more methods). With ``blocks`` (e.g. one block of rows per model, as a paper that compares
 methods per model), ranks and correlations are computed within each block.
@@ -30,6 +31,8 @@ from typing import Any
 import pandas as pd
 import yaml
 from scipy import stats
+
+from medpfl.report.stats import CI_LEVEL, NO_INTERVAL
 
 NULL = "—"
 
@@ -102,10 +105,12 @@ def compare(ours: dict[str, dict[str, dict[str, float | None]]], paper: PaperTab
     """The long comparison table.
 
     ours: ``{dataset/partition label: {"dataset": ds, "partition": part, "methods": {method:
-    {metric: mean}}}}`` (``partition`` may be absent). Returns one row per (group, method, metric)
-    with columns group, dataset, block, method, metric, label, ours, paper, paper_pm, diff,
-    rank_ours, rank_paper (ranks among the methods of the block with both values), in the
-    paper's row order.
+    {metric: mean}}, "intervals": {method: {metric: Interval}}}}`` (``partition`` and
+    ``intervals``, :class:`medpfl.report.stats.Interval` over seeds, may be absent). Returns one
+    row per (group, method, metric) with columns group, dataset, block, method, metric, label,
+    ours, paper, paper_pm, diff, rank_ours, rank_paper (ranks among the methods of the block with
+    both values), ours_seeds, ours_ci_low, ours_ci_high (our seeds with a value and the 95 % CI of
+    our mean; empty without ``intervals`` or with one seed), in the paper's row order.
     """
     rows = []
     for group, g in ours.items():
@@ -125,12 +130,17 @@ def compare(ours: dict[str, dict[str, dict[str, float | None]]], paper: PaperTab
                 rp.update(_rank({m: p[m] for m in both}, hib))
             for m in methods:
                 pv, ppm = pvals[m].get(metric, (None, None))
+                iv = (g.get("intervals") or {}).get(m, {}).get(metric)
                 rows.append({"group": group, "dataset": ds, "block": paper.block_of(m), "method": m, "metric": metric,
                              "label": meta.get("label", metric), "ours": o[m], "paper": pv, "paper_pm": ppm,
                              "diff": (o[m] - pv) if (o[m] is not None and pv is not None) else None,
-                             "rank_ours": ro.get(m), "rank_paper": rp.get(m)})
+                             "rank_ours": ro.get(m), "rank_paper": rp.get(m),
+                             "ours_seeds": iv.n if iv is not None else None,
+                             "ours_ci_low": iv.low if iv is not None else None,
+                             "ours_ci_high": iv.high if iv is not None else None})
     return pd.DataFrame(rows, columns=["group", "dataset", "block", "method", "metric", "label", "ours", "paper",
-                                       "paper_pm", "diff", "rank_ours", "rank_paper"])
+                                       "paper_pm", "diff", "rank_ours", "rank_paper", "ours_seeds", "ours_ci_low",
+                                       "ours_ci_high"])
 
 
 def rank_agreement(df: pd.DataFrame) -> pd.DataFrame:
@@ -159,8 +169,9 @@ def _fmt(x, nd: int = 3, signed: bool = False) -> str:
 def comparison_tables(df: pd.DataFrame, agreement: pd.DataFrame,
                       percent: bool = False) -> dict[str, list[tuple[str, pd.DataFrame]]]:
     """``{group: [(metric label, formatted table), ...]}``: per metric, one row per method in the
-    paper's order with ours, the paper's (± as printed), ours − paper and both ranks; then a
-    'Rank agreement' table. ``percent``: values, ± and differences shown × 100 with 2 decimals
+    paper's order with ours (± the half-width of its 95 % CI over seeds where ``df`` has one;
+    "1 seed: no interval" with one seed), the paper's (± as printed), ours − paper and both ranks;
+    then a 'Rank agreement' table. ``percent``: values, ± and differences shown × 100 with 2 decimals
     (accuracy points, as a paper that prints percentages), else as fractions with 3."""
     out: dict[str, list[tuple[str, pd.DataFrame]]] = {}
     scale, nd = (100.0, 2) if percent else (1.0, 3)
@@ -168,12 +179,20 @@ def comparison_tables(df: pd.DataFrame, agreement: pd.DataFrame,
     def _f(x, signed: bool = False):
         return _fmt(None if x is None or pd.isna(x) else scale * x, nd, signed)
 
+    def _ours(r) -> str:
+        v, n, hi = r.get("ours"), r.get("ours_seeds"), r.get("ours_ci_high")
+        if v is None or pd.isna(v) or n is None or pd.isna(n):
+            return _f(v)
+        if int(n) < 2:
+            return f"{_f(v)} ({NO_INTERVAL})"
+        return f"{_f(v)} ± {_f(hi - v)}" if hi is not None and not pd.isna(hi) else _f(v)
+
     for group, g in df.groupby("group", sort=False):
         tables = []
         for metric, d in g.groupby("metric", sort=False):
             t = pd.DataFrame({
                 "Method": d["method"],
-                "ours": [_f(v) for v in d["ours"]],
+                "ours": [_ours(r) for _, r in d.iterrows()],
                 "paper": [_f(v) + (f" ± {_f(pm)}" if pm is not None and not (isinstance(pm, float) and math.isnan(pm)) else "")
                           if v is not None else NULL for v, pm in zip(d["paper"], d["paper_pm"])],
                 "ours − paper": [_f(v, signed=True) for v in d["diff"]],
@@ -198,7 +217,9 @@ def paper_caption(paper: PaperTable, seeds: dict[str, int], rounds: dict[str, An
     nrounds = sorted({str(r) for r in rounds.values()})
     how = paper.how_ours or "computed as the paper's Table 1 (fedkper-protocol.md §4.2)"
     within = " of the same block (" + ", ".join(paper.blocks) + ")" if paper.blocks else ""
-    return (f"Ours: mean over {', '.join(map(str, nseeds))} seed(s) and {', '.join(nrounds)} rounds, {how}; "
-            f"paper: {paper.source} ({paper.title}), its ± as printed. Ranks are among the methods{within} with "
+    return (f"Ours: mean over {', '.join(map(str, nseeds))} seed(s) and {', '.join(nrounds)} rounds, {how}, "
+            f"± the half-width of its {CI_LEVEL} Student t confidence interval over seeds "
+            f"(“{NO_INTERVAL}” with one seed); paper: {paper.source} ({paper.title}), its ± as printed (the paper's own convention). "
+            f"Ranks are among the methods{within} with "
             f"both values (1 = best; higher is better for every column, BwT included). {NULL} = not applicable "
             f"(e.g. a method without a single global model has no global columns).")

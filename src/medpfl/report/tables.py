@@ -1,15 +1,19 @@
 """Load finished runs and turn them into the report's tables and metrics files.
 
-Two tables are built per (dataset, partition) group, one row per method:
+Every table says how many seeds and rounds are behind each row (``seeds``, ``rounds``) and shows
+each number as the **mean over seeds ± the half-width of its 95 % confidence interval over seeds**
+(Student t on the per-seed values, ddof=1; :mod:`medpfl.report.stats`), or, where only one seed
+has a value, the value followed by "(1 seed: no interval)". Per (dataset, partition) group, one
+row per method:
 
-* **Table 1 (FedKPer paper convention)**, the columns of Table 1 in Fowler & AlRegib,
-  "FedKPer" (ICIP 2026), summarised as ``../shared/docs/fedkper-protocol.md`` §4.2 infers
-  the authors did: Avg Global Acc, Avg Global BwT and Avg Local Acc are the mean over seeds
-  of each run's round average, and their ``±`` is the mean over seeds of each run's **std
-  over rounds**; Avg Global Consistency, Avg Worst Client Acc and Avg Local Consistency are
-  one number per run, shown as mean ``±`` **std over seeds** (population, ddof=0; ``± n/a``
-  with a single seed); Balance is the mean over seeds, without ``±``.
-* **Plain summary**: final-round and cost numbers as mean ``±`` std over seeds (ddof=0).
+* **Table 1 (FedKPer paper convention)**: the columns of Table 1 in Fowler & AlRegib, "FedKPer"
+  (ICIP 2026). The paper's own ``±`` on Avg Global Acc, Avg Global BwT and Avg Local Acc is a
+  **std over rounds** (``../shared/docs/fedkper-protocol.md`` §4.2: the mean over seeds of each
+  run's std over rounds); it is kept as a separate column beside each of them, labelled
+  "std over rounds (paper's ±)", and is not a measure of uncertainty of the mean.
+* **Plain summary**: final-round and cost numbers.
+* **Paired comparison vs <reference>**: :func:`paired_table` (differences to the reference
+  method over shared seeds, with their 95 % CI).
 
 A null (not applicable, e.g. global metrics of the ``local`` method) renders as ``—``.
 """
@@ -26,9 +30,10 @@ import numpy as np
 import pandas as pd
 
 from medpfl.io import read_json
+from medpfl.report.stats import (CI_LEVEL, NO_INTERVAL, PAIRED_METRICS, Interval, finite, paired_frame,
+                                 t_interval)
 
 NULL = "—"
-NA_STD = "n/a"
 
 #: Identity columns of ``metrics.json`` (also the first columns of ``summary.csv``).
 ID_KEYS = ("study", "dataset", "partition", "method", "algorithm", "seed", "mlflow_run_id")
@@ -55,19 +60,22 @@ JSON_KEYS = (
 ROUND_COLUMNS = ("round", "global_test_acc", "local_bal_acc_mean")
 
 TABLE1_TITLE = "Table 1 (FedKPer paper convention)"
-PLAIN_TITLE = "Plain summary (mean ± std over seeds)"
+TABLE1_LEAD = (f"Mean ± {CI_LEVEL} CI over seeds in every value column; the paper's ± (a std over rounds) "
+               "in the columns that say so.")
+PLAIN_TITLE = f"Plain summary (mean ± {CI_LEVEL} CI over seeds)"
+PAIRED_TITLE = "Paired comparison vs {reference}"
 
-# (column header, value key, "±" key or how the ± is computed)
-#   "rounds:<key>": ± is the mean over seeds of the per-run std over rounds in <key>
-#   "seeds":        ± is the std over seeds of the value
-#   None:           no ±
+#: Header of the columns that keep the FedKPer paper's ± (a std over rounds) beside a value.
+ROUNDS_STD = "{label}: std over rounds (paper's ±)"
+
+# (column header, value key, key of the per-run std over rounds shown beside it (the paper's ±) or None)
 _TABLE1 = (
-    ("Avg Global Acc ↑", "avg_global_acc", "rounds:avg_global_acc_std_rounds"),
-    ("Avg Global BwT ↑", "avg_global_bwt", "rounds:avg_global_bwt_std_rounds"),
-    ("Avg Global Consistency ↑", "global_consistency", "seeds"),
-    ("Avg Local Acc ↑", "avg_local_acc", "rounds:avg_local_acc_std_rounds"),
-    ("Avg Worst Client Acc ↑", "avg_worst_client_acc", "seeds"),
-    ("Avg Local Consistency ↑", "local_consistency", "seeds"),
+    ("Avg Global Acc ↑", "avg_global_acc", "avg_global_acc_std_rounds"),
+    ("Avg Global BwT ↑", "avg_global_bwt", "avg_global_bwt_std_rounds"),
+    ("Avg Global Consistency ↑", "global_consistency", None),
+    ("Avg Local Acc ↑", "avg_local_acc", "avg_local_acc_std_rounds"),
+    ("Avg Worst Client Acc ↑", "avg_worst_client_acc", None),
+    ("Avg Local Consistency ↑", "local_consistency", None),
     ("Balance ↑", "balance", None),
 )
 
@@ -82,20 +90,37 @@ _PLAIN = (
     ("s per round", "seconds_per_round", 2),
 )
 
+CI_NOTE = (
+    f"Every ± is the half-width of the {CI_LEVEL} Student t confidence interval of the mean over seeds "
+    "(t quantile with n − 1 degrees of freedom × sample std over seeds (ddof=1) / √n, n = seeds with a value); "
+    f"“{NO_INTERVAL}” where only one seed has a value, and “(k of n seeds)” where some seeds have none. "
+    "seeds: runs per method; rounds: training rounds per run."
+)
 TABLE1_CAPTION = (
-    "± on Avg Global Acc, Avg Global BwT and Avg Local Acc is the mean over seeds of each run's std over rounds, "
-    "while ± on the two consistencies and Avg Worst Client Acc is the std over seeds (population, ddof=0; "
-    f"“{NA_STD}” with one seed) and Balance has none (FedKPer paper Table 1; fedkper-protocol.md §4.2). "
+    f"{CI_NOTE} The columns “… std over rounds (paper's ±)” keep the FedKPer paper's ± for Avg Global Acc, "
+    "Avg Global BwT and Avg Local Acc: the mean over seeds of each run's std over the evaluated rounds "
+    "(fedkper-protocol.md §4.2); it says how much the accuracy moves from round to round, not how certain the "
+    "mean is. Round averages are over the evaluated rounds (every eval.every rounds and the last). "
     "Avg Local Acc is the class-balanced accuracy of each sampled client's model right after local training "
     "on its local test split, averaged over the sampled clients and then over rounds; Avg Worst Client Acc is "
     "the per-round minimum of that accuracy over the sampled clients, averaged over rounds. "
     f"{NULL} = not applicable."
 )
 PLAIN_CAPTION = (
-    "Mean ± std over seeds (population, ddof=0; “n/a” with one seed). Final client accuracies are over all "
-    "clients at the last evaluated round, with the model each client would deploy (its personalized model for "
-    "personalized methods, else the global model); the last-10-round value averages that mean over the last 10 "
-    f"evaluated rounds. {NULL} = not applicable."
+    f"{CI_NOTE} Final client accuracies are over all clients at the last evaluated round, with the model each "
+    "client would deploy (its personalized model for personalized methods, else the global model); the "
+    "last-10-round value averages that mean over the last 10 evaluated rounds. "
+    f"{NULL} = not applicable."
+)
+PAIRED_CAPTION = (
+    "Each cell: the mean over the seeds both methods share of (method − {reference}), paired by seed, then "
+    f"[the {CI_LEVEL} Student t confidence interval of that mean difference] (t on the per-seed "
+    "differences, n − 1 degrees of freedom, ddof=1) and whether the interval excludes 0 (excludes 0: a "
+    "difference in the same direction over the seeds, beyond their spread; includes 0: not distinguishable "
+    f"from no difference with these seeds). “{NO_INTERVAL}” where the two share only one seed with a value. "
+    "shared seeds: seeds both methods have values for (“(k of n shared seeds)” where a metric has fewer). "
+    "{fallback}"
+    f"{NULL} = not applicable (a null value, e.g. no global model). All seeds: paired.csv."
 )
 
 
@@ -180,8 +205,7 @@ def groups(runs: list[Run]) -> dict[tuple[str, str], dict[str, list[Run]]]:
 
 
 def _values(runs: list[Run], key: str) -> np.ndarray:
-    vals = [r.summary.get(key) for r in runs]
-    return np.array([float(v) for v in vals if v is not None and math.isfinite(float(v))], dtype=np.float64)
+    return finite(r.summary.get(key) for r in runs)
 
 
 def seed_mean(runs: list[Run], key: str) -> float | None:
@@ -190,52 +214,108 @@ def seed_mean(runs: list[Run], key: str) -> float | None:
     return float(v.mean()) if len(v) else None
 
 
-def seed_std(runs: list[Run], key: str) -> float | None:
-    """Population std (ddof=0) over seeds, ignoring nulls; None with fewer than two values."""
-    v = _values(runs, key)
-    return float(v.std(ddof=0)) if len(v) > 1 else None
+def seed_interval(runs: list[Run], key: str) -> Interval | None:
+    """Mean over seeds of a summary key and its 95 % t interval (:func:`medpfl.report.stats.t_interval`),
+    ignoring nulls; None when every run has null."""
+    return t_interval(r.summary.get(key) for r in runs)
 
 
-def _fmt(x: float | None, nd: int) -> str:
+def _fmt(x: float | None, nd: int, signed: bool = False) -> str:
     if x is None:
         return NULL
-    s = f"{x:.{nd}f}"
-    return s[1:] if s.startswith("-") and float(s) == 0 else s  # no "-0.000"
+    s = f"{x:+.{nd}f}" if signed else f"{x:.{nd}f}"
+    if float(s) == 0:
+        s = s.lstrip("+-")  # no "-0.000" / "+0.000"
+    return s
 
 
-def _pm(mean: float | None, pm: float | None, nd: int, pm_missing: str) -> str:
-    if mean is None:
+def ci_cell(iv: Interval | None, nd: int, seeds: int) -> str:
+    """``mean ± half-width`` of the 95 % CI over seeds; ``value (1 seed: no interval)`` with one
+    value; ``—`` without; ``(k of n seeds)`` appended when only k of the row's n seeds have a value."""
+    if iv is None:
         return NULL
-    return f"{_fmt(mean, nd)} ± {_fmt(pm, nd) if pm is not None else pm_missing}"
+    if iv.n < 2:
+        cell = f"{_fmt(iv.mean, nd)} ({NO_INTERVAL})"
+    else:
+        cell = f"{_fmt(iv.mean, nd)} ± {_fmt(iv.half_width, nd)}"
+    return cell + (f" ({iv.n} of {seeds} seeds)" if iv.n != seeds else "")
+
+
+def rounds_of(runs: list[Run]) -> str:
+    """The runs' number of rounds ("30"; "30, 50" when seeds differ; "—" when unknown)."""
+    vals = sorted({int(r.summary["rounds"]) for r in runs if r.summary.get("rounds") is not None})
+    return ", ".join(map(str, vals)) if vals else NULL
+
+
+def _counts(runs: list[Run]) -> dict[str, str]:
+    return {"seeds": str(len(runs)), "rounds": rounds_of(runs)}
 
 
 def table1(methods: dict[str, list[Run]]) -> pd.DataFrame:
-    """Table 1 in the FedKPer paper's convention (see the module docstring) as formatted strings."""
-    rows = []
+    """Table 1 in the FedKPer paper's columns (see the module docstring) as formatted strings: seeds,
+    rounds, each value as mean ± 95 % CI over seeds, and beside Avg Global Acc, BwT and Local Acc
+    the paper's ± (mean over seeds of the std over rounds)."""
+    rows, cols = [], ["Strategy", "seeds", "rounds"]
+    for col, _, rounds_key in _TABLE1:
+        cols += [col] + ([ROUNDS_STD.format(label=col.rstrip(" ↑"))] if rounds_key else [])
     for method, runs in methods.items():
-        row = {"Strategy": method}
-        for col, key, how in _TABLE1:
-            mean = seed_mean(runs, key)
-            if how is None:
-                row[col] = _fmt(mean, 3)
-            elif how == "seeds":
-                row[col] = _pm(mean, seed_std(runs, key), 3, NA_STD)
-            else:
-                row[col] = _pm(mean, seed_mean(runs, how.split(":", 1)[1]), 3, NULL)
+        row = {"Strategy": method, **_counts(runs)}
+        for col, key, rounds_key in _TABLE1:
+            row[col] = ci_cell(seed_interval(runs, key), 3, len(runs))
+            if rounds_key:
+                row[ROUNDS_STD.format(label=col.rstrip(" ↑"))] = _fmt(seed_mean(runs, rounds_key), 3)
         rows.append(row)
-    return pd.DataFrame(rows, columns=["Strategy"] + [c for c, _, _ in _TABLE1])
+    return pd.DataFrame(rows, columns=cols)
 
 
 def plain_table(methods: dict[str, list[Run]]) -> pd.DataFrame:
-    """Plain summary: mean ± std over seeds (ddof=0) of final and cost numbers, with the seed count."""
+    """Plain summary: seeds, rounds and mean ± 95 % CI over seeds of final and cost numbers."""
     rows = []
     for method, runs in methods.items():
-        row: dict[str, Any] = {"Strategy": method}
+        row: dict[str, Any] = {"Strategy": method, **_counts(runs)}
         for col, key, nd in _PLAIN:
-            row[col] = _pm(seed_mean(runs, key), seed_std(runs, key), nd, NA_STD)
-        row["seeds"] = str(len(runs))
+            row[col] = ci_cell(seed_interval(runs, key), nd, len(runs))
         rows.append(row)
-    return pd.DataFrame(rows, columns=["Strategy"] + [c for c, _, _ in _PLAIN] + ["seeds"])
+    return pd.DataFrame(rows, columns=["Strategy", "seeds", "rounds"] + [c for c, _, _ in _PLAIN])
+
+
+def paired(runs: list[Run], reference: str | None = None) -> tuple[pd.DataFrame, dict[tuple[str, str], str]]:
+    """The paired comparisons of every method with the reference, per (dataset, partition)
+    (:func:`medpfl.report.stats.paired_frame`: the rows of ``paired.csv``) and the reference used
+    per group."""
+    by_seed = {g: {m: {r.meta["seed"]: r.summary for r in rs} for m, rs in methods.items()}
+               for g, methods in groups(runs).items()}
+    return paired_frame(by_seed, reference)
+
+
+def paired_cell(row: pd.Series | dict, nd: int = 3, shared: int | None = None) -> str:
+    """``+0.020 [+0.005, +0.035], excludes 0``; ``+0.020 (1 seed: no interval)``; ``—``; with
+    ``(k of n shared seeds)`` appended when only k of the ``shared`` seeds have a value."""
+    if row["mean_diff"] is None or pd.isna(row["mean_diff"]):
+        return NULL
+    d = _fmt(row["mean_diff"], nd, signed=True)
+    if row["ci_low"] is None or pd.isna(row["ci_low"]):
+        cell = f"{d} ({NO_INTERVAL})"
+    else:
+        where = "excludes 0" if row["excludes_zero"] else "includes 0"
+        cell = f"{d} [{_fmt(row['ci_low'], nd, signed=True)}, {_fmt(row['ci_high'], nd, signed=True)}], {where}"
+    n = int(row["n_shared_seeds"])
+    return cell + (f" ({n} of {shared} shared seeds)" if shared is not None and n != shared else "")
+
+
+def paired_table(df: pd.DataFrame, dataset: str, partition: str) -> pd.DataFrame:
+    """One group's paired comparison as formatted strings: a row per method other than the
+    reference, with the seeds it shares with the reference (the most over the metrics) and a
+    :func:`paired_cell` per metric."""
+    g = df[(df["dataset"] == dataset) & (df["partition"] == partition)]
+    labels = [label for _, label in PAIRED_METRICS]
+    rows = []
+    for method, d in g.groupby("method", sort=False):
+        shared = int(d["n_shared_seeds"].max())
+        row = {"Method": method, "shared seeds": str(shared)}
+        row.update({r["label"]: paired_cell(r, shared=shared) for _, r in d.iterrows()})
+        rows.append(row)
+    return pd.DataFrame(rows, columns=["Method", "shared seeds"] + labels)
 
 
 def summary_frame(runs: list[Run]) -> pd.DataFrame:
@@ -262,15 +342,42 @@ def _md_table(df: pd.DataFrame) -> str:
     return df.to_markdown(index=False, disable_numparse=True)
 
 
+def _paired_sections(runs: list[Run],
+                     reference: str | None) -> dict[tuple[str, str], tuple[str, pd.DataFrame | None, str]]:
+    """``{group: (heading, table or None when there is no other method, caption)}``."""
+    df, used = paired(runs, reference)
+    out = {}
+    for (ds, part), ref in used.items():
+        if reference is None:
+            why = (f"Reference: {ref} (report.reference not set: fedavg when the study has it, else the first "
+                   "method). ")
+        elif reference != ref:
+            why = (f"Reference: {ref} (report.reference {reference!r} has no runs here: fedavg when present, else "
+                   "the first method). ")
+        else:
+            why = f"Reference: {ref} (report.reference). "
+        t = paired_table(df, ds, part)
+        out[(ds, part)] = (PAIRED_TITLE.format(reference=ref), t if len(t) else None,
+                           PAIRED_CAPTION.format(reference=ref, fallback=why))
+    return out
+
+
 def render_markdown(runs: list[Run], title: str = "", curves_name: str | None = "curves.png",
-                    paper: tuple[str, str, dict] | None = None) -> str:
-    """The Markdown report: both tables for every (dataset, partition) group, and where a paper
-    table is given (``(heading, caption, {group: [(label, table)]})``) the side-by-side section."""
+                    paper: tuple[str, str, dict] | None = None, reference: str | None = None) -> str:
+    """The Markdown report: per (dataset, partition) group Table 1, the plain summary and the
+    paired comparison with the reference method (:func:`paired`; ``reference`` as
+    :func:`medpfl.report.stats.resolve_reference`), and where a paper table is given
+    (``(heading, caption, {group: [(label, table)]})``) the side-by-side section."""
     lines = [f"# {title or 'medpfl report'}", ""]
+    sections = _paired_sections(runs, reference)
     for (ds, part), methods in groups(runs).items():
-        lines += [f"## {ds} / {part}", "", f"### {TABLE1_TITLE}", "", _md_table(table1(methods)), "",
+        lines += [f"## {ds} / {part}", "", f"### {TABLE1_TITLE}", "", TABLE1_LEAD, "",
+                  _md_table(table1(methods)), "",
                   f"*{TABLE1_CAPTION}*", "", f"### {PLAIN_TITLE}", "", _md_table(plain_table(methods)), "",
                   f"*{PLAIN_CAPTION}*", ""]
+        heading, pt, caption = sections[(ds, part)]
+        lines += [f"### {heading}", "", _md_table(pt) if pt is not None else "No other method to compare.", "",
+                  f"*{caption}*", ""]
         group = f"{ds} / {part}"
         if paper and group in paper[2]:
             lines += [f"### {paper[0]}", "", f"*{paper[1]}*", ""]
@@ -303,21 +410,27 @@ def _html_table(df: pd.DataFrame) -> str:
 
 
 def render_html(runs: list[Run], title: str = "", images: Iterable[tuple[str, str, str]] = (),
-                paper: tuple[str, str, dict] | None = None) -> str:
+                paper: tuple[str, str, dict] | None = None, reference: str | None = None) -> str:
     """A self-contained HTML page (inline CSS, images as data URIs).
 
-    images: ``(caption, mime type, base64 data)`` for each figure to embed; paper: as
+    images: ``(caption, mime type, base64 data)`` for each figure to embed; paper, reference: as
     :func:`render_markdown`.
     """
     t = html.escape(title or "medpfl report")
     parts = ["<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">', f"<title>{t}</title>",
              f"<style>{_CSS}</style>", "</head>", "<body>", f"<h1>{t}</h1>"]
+    sections = _paired_sections(runs, reference)
     for (ds, part), methods in groups(runs).items():
         parts += [f"<h2>{html.escape(str(ds))} / {html.escape(str(part))}</h2>",
-                  f"<h3>{html.escape(TABLE1_TITLE)}</h3>", _html_table(table1(methods)),
+                  f"<h3>{html.escape(TABLE1_TITLE)}</h3>", f"<p>{html.escape(TABLE1_LEAD)}</p>",
+                  _html_table(table1(methods)),
                   f'<p class="caption">{html.escape(TABLE1_CAPTION)}</p>',
                   f"<h3>{html.escape(PLAIN_TITLE)}</h3>", _html_table(plain_table(methods)),
                   f'<p class="caption">{html.escape(PLAIN_CAPTION)}</p>']
+        heading, pt, caption = sections[(ds, part)]
+        parts += [f"<h3>{html.escape(heading)}</h3>",
+                  _html_table(pt) if pt is not None else "<p>No other method to compare.</p>",
+                  f'<p class="caption">{html.escape(caption)}</p>']
         group = f"{ds} / {part}"
         if paper and group in paper[2]:
             parts += [f"<h3>{html.escape(paper[0])}</h3>", f'<p class="caption">{html.escape(paper[1])}</p>']
