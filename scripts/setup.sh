@@ -31,4 +31,4 @@ pip install -q -c requirements.lock -e ".${extras}"
 # medmnist pulls in torchvision, which the project does not use and which breaks the CPU torch
 # build's imports (operator torchvision::nms does not exist) and with them transformers/peft.
 pip uninstall -q -y torchvision 2>/dev/null || true
-python -c 'import medpfl, torch, snakemake, dvc, mlflow, pandera, peft, transformers; print("setup: ok, torch", torch.__version__, "cuda" if torch.cuda.is_available() else "cpu")'
+python -c 'import medpfl, torch, snakemake, dvc, mlflow, pandera, peft, transformers, rich; print("setup: ok, torch", torch.__version__, "cuda" if torch.cuda.is_available() else "cpu")'

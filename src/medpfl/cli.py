@@ -111,6 +111,65 @@ def cmd_report(a) -> None:
     print(f"report: {', '.join(str(p) for p in paths.values())}")
 
 
+def cmd_ui(a) -> int:
+    """Print (and by default serve) the MLflow UI of one study, with the links to its runs."""
+    import subprocess
+    import time
+    import urllib.request
+    import webbrowser
+
+    from medpfl.io import read_json
+    from medpfl.tracking import TrackingError, study_children, ui_urls
+
+    study = a.study
+    if not study:
+        from medpfl.config import load_params
+
+        study = load_params(a.params, a.overlay).study
+    parent_file = Path(a.results) / study / "mlflow_parent.json"
+    if not parent_file.is_file():
+        raise FileNotFoundError(f"{parent_file}: no MLflow parent run for study {study!r}; run the study first "
+                                "(snakemake --cores all [--configfile config/<study>.yaml])")
+    parent = read_json(parent_file)
+    uri = parent["tracking_uri"]
+    remote = uri.startswith(("http://", "https://"))
+    base = uri if remote else f"http://{a.host}:{a.port}"
+    try:
+        ids = [r.info.run_id for r in study_children(parent)]
+    except TrackingError as e:
+        log.warning("could not list the study's runs (%s); printing the experiment link only", e)
+        ids = []
+    urls = ui_urls(parent, base, ids[:a.max_compare])
+    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", a.host, "--port", str(a.port)]
+    print(f"study {study}: experiment {parent.get('experiment', '?')} (id {parent['experiment_id']}), "
+          f"{len(ids)} training runs, store {uri}")
+    if not remote:
+        print("server:   mlflow ui --backend-store-uri " + uri + f" --host {a.host} --port {a.port}")
+    print(f"runs:     {urls['experiment']}")
+    if "compare" in urls:
+        shown = "" if len(ids) <= a.max_compare else f" (the first {a.max_compare} of {len(ids)})"
+        print(f"compare:  {urls['compare']}{shown}")
+    sys.stdout.flush()
+    if remote or a.no_serve:
+        if a.browser:
+            webbrowser.open(urls["experiment"])
+        return 0
+    proc = subprocess.Popen(cmd)
+    try:
+        deadline = time.time() + 120
+        while a.browser and time.time() < deadline and proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=2):
+                    webbrowser.open(urls["experiment"])
+                    break
+            except OSError:
+                time.sleep(0.5)
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        return proc.wait()
+
+
 def cmd_check_params(a) -> None:
     from medpfl.config import load_params
 
@@ -196,6 +255,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--reference", help="the method the others are compared with, paired by seed (report.reference; "
                                        "default: fedavg when present, else the first method)")
     s.set_defaults(fn=cmd_report)
+
+    s = sub.add_parser("ui", help="open a study's runs in the MLflow UI (prints the links; serves mlflow ui)")
+    s.add_argument("--study", help="the study's name (default: the study of params.yaml + overlays)")
+    s.add_argument("--params", default="params.yaml")
+    s.add_argument("--overlay", action="append", default=[], help="a study overlay, e.g. config/pfedkd-mnist.yaml")
+    s.add_argument("--results", default="results", help="the results folder (holds <study>/mlflow_parent.json)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=5000)
+    s.add_argument("--no-serve", action="store_true", help="only print the command and the links")
+    s.add_argument("--browser", action="store_true", help="open the runs link in a browser once the server answers")
+    s.add_argument("--max-compare", type=int, default=100, help="at most this many runs in the compare link")
+    s.set_defaults(fn=cmd_ui)
 
     s = sub.add_parser("check-params", help="validate params.yaml (+ overlays) and exit")
     s.add_argument("params", nargs="?", default="params.yaml")

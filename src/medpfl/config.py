@@ -178,6 +178,9 @@ class TrainConfig(_Strict):
     executor: Literal["auto", "sequential", "stacked"] = "auto"
     precision: Literal["fp32", "bf16"] = Field("fp32", description="bf16: autocast the local forward/backward")
     checkpoint_every: int = Field(10, ge=0, description="rounds between checkpoints; 0 = never")
+    deterministic: bool = Field(True, description="on CUDA: deterministic algorithms where torch has them "
+                                                  "(warn_only), CUBLAS_WORKSPACE_CONFIG=:4096:8, cuDNN deterministic, "
+                                                  "no cuDNN benchmark (medpfl.environment); no effect on a CPU")
 
     @field_validator("model")
     @classmethod
@@ -201,13 +204,18 @@ class TrainConfig(_Strict):
         return resolve_model_args(info.data["model"], v)
 
     @model_serializer(mode="wrap")
-    def _drop_empty_model_args(self, handler):
-        """A model without arguments dumps no ``model_args`` key: the job descriptions (and so
-        the Snakemake params triggers and checkpoint fingerprints) of such runs stay as they were
-        before ``model_args`` existed."""
+    def _drop_later_defaults(self, handler):
+        """Keys added after runs existed are not dumped at their default: a model without
+        arguments dumps no ``model_args``, and ``deterministic: true`` is not dumped. The job
+        descriptions (and so the Snakemake params triggers and checkpoint fingerprints) of such
+        runs stay as they were before these keys existed; a non-default value is dumped and
+        re-runs exactly the jobs it applies to."""
         out = handler(self)
-        if isinstance(out, dict) and not out.get("model_args"):
-            out.pop("model_args", None)
+        if isinstance(out, dict):
+            if not out.get("model_args"):
+                out.pop("model_args", None)
+            if out.get("deterministic") is True:
+                out.pop("deterministic")
         return out
 
     @field_validator("device")

@@ -1,9 +1,10 @@
 """The evaluate stage: per-round metrics and the run summary of one training run.
 
 Reads ``records.parquet``, ``rounds.parquet`` and ``job.json`` from the run folder; writes
-``round_metrics.csv``, ``client_accuracy.csv``, ``metrics.json`` and ``curves.png`` (atomically)
-and logs them, the per-round backward transfer and the summary metrics to the run's MLflow
-child run. Metric definitions: :mod:`medpfl.metrics`.
+``round_metrics.csv``, ``client_accuracy.csv``, ``metrics.json`` (with the environment
+fingerprint that training recorded in ``job.json``) and ``curves.png`` (atomically) and logs
+them, the per-round backward transfer and the summary metrics to the run's MLflow child run.
+Metric definitions: :mod:`medpfl.metrics`.
 """
 
 from __future__ import annotations
@@ -89,8 +90,11 @@ def evaluate_run(run_dir: Path) -> dict:
     run_id = read_json(run_file)["run_id"] if run_file.exists() else None
     meta = {k: job[k] for k in ("study", "dataset", "partition", "method", "algorithm", "seed")}
     global_test = global_test_status(views)
+    env = {"environment": job.get("environment")}  # the training session's fingerprint (None: trained before)
+    if job.get("earlier_environments"):
+        env["earlier_environments"] = job["earlier_environments"]
     write_json(run_dir / "metrics.json", {**meta, "mlflow_run_id": run_id, "global_test": global_test,
-                                          "summary": summary})
+                                          "summary": summary, **env})
     if run_id is not None:
         from medpfl.tracking import RunLogger
 

@@ -6,10 +6,16 @@ for experiments created here. The ``mlflow-init`` stage creates the store, the e
 the parent run once, before parallel training jobs start (a fresh SQLite store migrated by
 several processes at once crashes; ``docs/pipeline.md``), and writes ``parent.json``; every
 child reads the URI and ids from that file, so all jobs of a study land in the same store.
+
+The experiment is tagged as a model-training experiment (``mlflow.experimentKind =
+custom_model_development``), so the MLflow UI treats it as runs to compare rather than as a
+GenAI project; :func:`ui_urls` gives the links that open a study's runs in the UI's
+machine-learning view (``medpfl ui``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -17,11 +23,27 @@ import subprocess
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote, urlencode
 
 from medpfl.io import read_json, write_json
 
 log = logging.getLogger(__name__)
 os.environ.setdefault("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")
+
+#: The experiment tag the MLflow 3 UI reads for an experiment's type (the server's JS bundle:
+#: ``mlflow.experimentKind``, values ``genai_development``, ``custom_model_development``, ...).
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+#: The experiment's description in the UI.
+NOTE_TAG = "mlflow.note.content"
+EXPERIMENT_NOTE = (
+    "medpfl federated-learning benchmark. One parent run per study (tag medpfl.role=study) and one child run per "
+    "training job, named dataset/partition/method/seedN and tagged study, dataset, partition, method, algorithm, "
+    "seed: group the runs table by these tags to compare methods over seeds. Child runs hold the per-round curves "
+    "(step = round), the FedKPer-paper summary metrics (avg_global_acc, avg_global_bwt, global_consistency, "
+    "avg_local_acc, avg_worst_client_acc, local_consistency, balance, ...) and the environment fingerprint "
+    "(env.* tags)."
+)
 
 
 class TrackingError(RuntimeError):
@@ -102,9 +124,14 @@ def init_study(study: str, experiment: str, out: Path, uri: str | None = None,
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         root = (artifact_root or Path.cwd() / "mlartifacts").resolve()
-        exp_id = client.create_experiment(experiment, artifact_location=(root / experiment).as_uri())
+        exp_id = client.create_experiment(experiment, artifact_location=(root / experiment).as_uri(),
+                                          tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND, NOTE_TAG: EXPERIMENT_NOTE})
     else:
         exp_id = exp.experiment_id
+        # an experiment made before (or by hand): add what is missing, keep what a user set
+        for key, value in ((EXPERIMENT_KIND_TAG, EXPERIMENT_KIND), (NOTE_TAG, EXPERIMENT_NOTE)):
+            if key not in exp.tags:
+                client.set_experiment_tag(exp_id, key, value)
     tags = {"study": study, "git_commit": git_commit(), "medpfl.role": "study"}
     run = client.create_run(exp_id, run_name=study, tags=tags)
     client.set_terminated(run.info.run_id, "FINISHED")
@@ -131,6 +158,43 @@ def log_study(parent_file: Path, params: dict[str, Any], artifacts: list[Path]) 
             retry(client.log_batch, run_id, params=new[i:i + 100])
     for path in artifacts:
         retry(client.log_artifact, run_id, str(path), "report")
+
+
+def study_children(parent: dict) -> list:
+    """The study's training runs (children of its parent run), ordered by dataset, partition,
+    method and seed."""
+    client = _client(parent["tracking_uri"])
+    runs = retry(client.search_runs, [parent["experiment_id"]],
+                 f"tags.mlflow.parentRunId = '{parent['parent_run_id']}'", max_results=5000)
+
+    def key(r):
+        t = r.data.tags
+        seed = t.get("seed", "")
+        return (t.get("dataset", ""), t.get("partition", ""), t.get("method", ""),
+                int(seed) if seed.isdigit() else 0, r.info.run_name or "")
+
+    return sorted(runs, key=key)
+
+
+def ui_urls(parent: dict, base: str, run_ids: list[str] = ()) -> dict[str, str]:
+    """Links into the MLflow UI at ``base`` (``http://127.0.0.1:5000``) for one study:
+
+    * ``experiment``: the experiment's runs in the machine-learning view (``workflowType``; the
+      MLflow 3.17 UI picks the view from this switch, default GenAI, rather than from the
+      experiment tag), as charts (``compareRunsMode=CHART``: one chart per metric, a bar per
+      run, once the study's parent run is expanded), filtered to the study;
+    * ``compare``: MLflow's compare page for ``run_ids`` (params and metrics side by side).
+    """
+    base = base.rstrip("/")
+    exp = parent["experiment_id"]
+    query = urlencode({"workflowType": "machine_learning", "compareRunsMode": "CHART",
+                       "searchFilter": f"tags.study = '{parent['study']}'"}, quote_via=quote)
+    out = {"experiment": f"{base}/#/experiments/{exp}/runs?{query}"}
+    if run_ids:
+        ids = quote(json.dumps(list(run_ids), separators=(",", ":")))
+        out["compare"] = (f"{base}/#/compare-runs?runs={ids}&experiments={quote(json.dumps([exp]))}"
+                          "&workflowType=machine_learning")
+    return out
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, Any]:

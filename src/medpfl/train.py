@@ -1,10 +1,12 @@
 """The train stage: one federated training job, tracked in MLflow, checkpointed, resumable.
 
-Outputs in the run folder (each written atomically): ``job.json`` (the resolved job),
+Outputs in the run folder (each written atomically): ``job.json`` (the resolved job, plus the
+environment fingerprint under ``environment``: :mod:`medpfl.environment`),
 ``records.parquet`` (every evaluation: round x view x client), ``rounds.parquet`` (schedule,
 bytes, timing per round), ``final_model.pt`` (global and/or personalized parameters) and
 ``mlflow_run.json`` (the child run's id). ``checkpoint.pt`` exists while the job runs and is
 kept if it fails; re-running the job resumes from it and continues the same MLflow run.
+Progress: a live bar on a terminal, one log line per round otherwise (:mod:`medpfl.progress`).
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ from medpfl.config import EvalConfig, TrainConfig
 from medpfl.data.partition import PartitionError
 from medpfl.data.preprocess import load_processed
 from medpfl.data.schemas import SharedPartitionTable, validate
+from medpfl.environment import capture, configure_determinism, mlflow_tags
 from medpfl.fl.data import FederatedData
 from medpfl.fl.engine import Engine, fingerprint, resolve_device
 from medpfl.fl.functional import make_forward
 from medpfl.fl.tree import tree_map
-from medpfl.io import atomic_path, md5sum, read_parquet, write_json, write_parquet
+from medpfl.io import atomic_path, md5sum, read_json, read_parquet, write_json, write_parquet
 from medpfl.models import build_model
+from medpfl.progress import RoundProgress
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +59,28 @@ def round_scalars(records: list[dict], row: dict) -> dict[str, float]:
     return out
 
 
+def _earlier_environments(job_file: Path, env: dict) -> list[dict]:
+    """The environments of earlier sessions of a job about to resume (from its ``job.json``),
+    when they differ from ``env``; [] when there is none or they are the same."""
+    try:
+        old = read_json(job_file)
+    except (FileNotFoundError, ValueError):
+        return []
+    earlier = [e for e in (old.get("earlier_environments") or []) + [old.get("environment")]
+               if isinstance(e, dict)]
+    out: list[dict] = []
+    for e in earlier:
+        if e.get("id") != env["id"] and all(e.get("id") != o.get("id") for o in out):
+            out.append(e)
+    return out
+
+
+def _write_job(out_dir: Path, job: dict, env: dict, earlier: list[dict]) -> None:
+    """``job.json``: the job description as given, plus the environment (an output: not part of
+    the description, so it changes neither the params nor the checkpoint fingerprint)."""
+    write_json(out_dir / "job.json", {**job, "environment": env, **({"earlier_environments": earlier} if earlier else {})})
+
+
 def run_training(job: dict, arrays: Path, samples: Path, partition_table: Path, out_dir: Path,
                  parent_file: Path | None = None) -> None:
     """Run one job end to end. Raises ParamsError/DataError/TableError naming the bad input."""
@@ -62,7 +88,15 @@ def run_training(job: dict, arrays: Path, samples: Path, partition_table: Path, 
     evalc = EvalConfig.model_validate(job["eval"])
     algo_cls, mcfg = resolve_method(job["method"], {job["method"]: {"algorithm": job["algorithm"], **job["method_params"]}})
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(out_dir / "job.json", job)
+    device = resolve_device(train.device)
+    configure_determinism(train.deterministic, device)  # before any CUDA work of this job
+    env = capture(device, train.precision, train.deterministic)
+    ckpt = out_dir / "checkpoint.pt"
+    earlier = _earlier_environments(out_dir / "job.json", env) if ckpt.exists() else []
+    if earlier:
+        log.warning("resuming in another environment (%s) than before (%s): the run mixes both", env["id"],
+                    ", ".join(e.get("id", "?") for e in earlier))
+    _write_job(out_dir, job, env, earlier)
 
     data = load_processed(arrays, samples)
     # SharedPartitionTable: clients may share samples (per_client_dirichlet); disjoint schemes are
@@ -72,7 +106,6 @@ def run_training(job: dict, arrays: Path, samples: Path, partition_table: Path, 
     if k != job["num_clients"]:
         raise PartitionError(f"{partition_table}: holds {k} clients, partitions.{job['partition']}.num_clients says "
                              f"{job['num_clients']} (re-run the partition stage)")
-    device = resolve_device(train.device)
     fdata = FederatedData.build(data, table, device)
     template = build_model(train.model, fdata.in_channels, fdata.num_classes, fdata.image_size,
                            train.model_args).to("meta")
@@ -83,32 +116,40 @@ def run_training(job: dict, arrays: Path, samples: Path, partition_table: Path, 
     if parent_file is not None:
         from medpfl.tracking import RunLogger
 
-        name = f"{job['method']}-{job['dataset']}-{job['partition']}-s{job['seed']}"
+        # the name follows the run folder (dataset/partition/method/seed); the tags let the MLflow
+        # UI group and filter by each of them
+        name = f"{job['dataset']}/{job['partition']}/{job['method']}/seed{job['seed']}"
         tags = {"method": job["method"], "algorithm": job["algorithm"], "dataset": job["dataset"],
                 "partition": job["partition"], "seed": str(job["seed"]), "study": job["study"],
-                "device": str(device), "num_clients": str(k), "partition_md5": md5sum(partition_table)}
+                "device": str(device), "num_clients": str(k), "partition_md5": md5sum(partition_table),
+                "medpfl.role": "training"}
         logger = RunLogger(parent_file, out_dir / "mlflow_run.json", name, tags)
+        # tags, not params: a run resumed in another environment updates them
+        logger.set_tags({**mlflow_tags(env), **({"env.earlier_ids": ",".join(e.get("id", "?") for e in earlier)}
+                                                if earlier else {})})
         logger.log_params(job)
         callbacks.append(lambda r, row, recs: logger.log_metrics(round_scalars(recs, row), step=r))
 
-    def progress(r, row, recs):
-        sc = round_scalars(recs, row)
-        shown = " ".join(f"{k}={sc[k]:.3f}" for k in ("global_test_acc", "local_bal_acc_mean", "personalized_acc_mean")
-                         if k in sc)
-        log.info("round %d/%d %s (%.1fs)", r + 1, train.rounds, shown, row["round_seconds"])
-
-    callbacks.append(progress)
-    ckpt = out_dir / "checkpoint.pt"
+    bar = RoundProgress(train.rounds, f"{job['method']} {job['dataset']}/{job['partition']} seed {job['seed']}", log)
+    callbacks.append(lambda r, row, recs: bar.update(r, round_scalars(recs, row), row["round_seconds"]))
     fp = fingerprint({"job": job, "partition": md5sum(partition_table), "arrays": md5sum(arrays)})
     engine = Engine(algo, fdata, train, evalc, job["seed"], train.executor, checkpoint=ckpt, callbacks=callbacks,
                     fingerprint=fp)
-    log.info("%s: %s executor on %s, %d clients, %d rounds", job["method"], engine.executor.name, device, k, train.rounds)
+    log.info("%s: %s executor on %s, %d clients, %d rounds; environment %s (%s, %d torch threads, deterministic "
+             "algorithms %s)", job["method"], engine.executor.name, device, k, train.rounds, env["id"],
+             env["gpu_name"] or env["cpu_model"], env["torch_threads"], env["deterministic_algorithms"])
     try:
-        result = engine.run()
+        with bar:
+            result = engine.run()
     except BaseException as e:
         if logger is not None:
             logger.finish("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
         raise
+    if earlier and not result.resumed_from:  # the checkpoint was not used: one environment after all
+        earlier = []
+        _write_job(out_dir, job, env, earlier)
+        if logger is not None:
+            logger.set_tags({"env.earlier_ids": ""})
     write_parquet(out_dir / "records.parquet", result.records)
     write_parquet(out_dir / "rounds.parquet", result.rounds)
     model = {"algorithm": job["algorithm"], "global": result.global_params, "personalized": result.personalized}

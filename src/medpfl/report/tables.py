@@ -16,6 +16,10 @@ row per method:
   method over shared seeds, with their 95 % CI).
 
 A null (not applicable, e.g. global metrics of the ``local`` method) renders as ``—``.
+
+An **Environment** table follows: one row per distinct environment fingerprint
+(:mod:`medpfl.environment`) with the runs trained in it, so a reader sees whether the numbers
+compared come from one machine, thread count and precision policy.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Any, Iterable
 import numpy as np
 import pandas as pd
 
+from medpfl.environment import summary as env_summary
 from medpfl.io import read_json
 from medpfl.report.stats import (CI_LEVEL, NO_INTERVAL, PAIRED_METRICS, Interval, finite, paired_frame,
                                  t_interval)
@@ -132,6 +137,8 @@ class Run:
     meta: dict[str, Any]
     summary: dict[str, Any]
     rounds: pd.DataFrame
+    environment: dict[str, Any] | None = None  # the fingerprint training recorded (None: trained before)
+    earlier_environments: tuple[dict[str, Any], ...] = ()  # of earlier sessions, when resumed elsewhere
 
     @property
     def key(self) -> tuple[str, str, str, Any]:
@@ -172,7 +179,10 @@ def load_run(run_dir: str | Path) -> Run:
     for c in rounds.columns:
         if c != "round":
             rounds[c] = pd.to_numeric(rounds[c], errors="coerce")
-    return Run(run_dir=run_dir, meta=meta, summary=summary, rounds=rounds)
+    env = m.get("environment") if isinstance(m.get("environment"), dict) else None
+    earlier = tuple(e for e in (m.get("earlier_environments") or []) if isinstance(e, dict))
+    return Run(run_dir=run_dir, meta=meta, summary=summary, rounds=rounds, environment=env,
+               earlier_environments=earlier)
 
 
 def load_runs(run_dirs: Iterable[str | Path]) -> list[Run]:
@@ -323,9 +333,48 @@ def summary_frame(runs: list[Run]) -> pd.DataFrame:
     extra: list[str] = []
     for r in runs:
         extra += [k for k in r.summary if k not in SUMMARY_KEYS and k not in extra]
-    cols = list(ID_KEYS) + list(SUMMARY_KEYS) + extra
-    rows = [{**r.meta, **r.summary} for r in runs]
+    cols = list(ID_KEYS) + list(SUMMARY_KEYS) + extra + ["environment_id"]
+    rows = [{**r.meta, **r.summary, "environment_id": (r.environment or {}).get("id")} for r in runs]
     return pd.DataFrame(rows, columns=cols)
+
+
+ENV_TITLE = "Environment"
+ENV_CAPTION = (
+    "One row per distinct environment fingerprint (CPU model and SIMD level, BLAS, torch threads, torch/CUDA/cuDNN "
+    "versions, device, determinism flags, precision policy) and the runs trained in it "
+    "(dataset/partition/method/seed). Re-running a job in the same fingerprint reproduces its numbers exactly; "
+    "another CPU model or thread count changes float results slightly (README, Reproducibility). “unknown”: trained before fingerprints were recorded. "
+    "Full fingerprints: job.json and metrics.json of each run, env.* tags in MLflow."
+)
+
+
+def _run_label(r: Run) -> str:
+    return f"{r.meta['dataset']}/{r.meta['partition']}/{r.meta['method']}/seed{r.meta['seed']}"
+
+
+def environment_table(runs: list[Run], max_listed: int = 12) -> pd.DataFrame:
+    """One row per distinct environment fingerprint, in order of first appearance: its id, the
+    short description (:func:`medpfl.environment.summary`) and the runs that used it (all of
+    them named, or their count when more than ``max_listed``). A run resumed in another
+    environment is listed under its last one, marked with the earlier ids."""
+    by_id: dict[str, list[Run]] = {}
+    envs: dict[str, dict | None] = {}
+    for r in runs:
+        key = (r.environment or {}).get("id") or "unknown"
+        by_id.setdefault(key, []).append(r)
+        envs.setdefault(key, r.environment)
+    rows = []
+    for key, rs in by_id.items():
+        labels = [_run_label(r) + (f" (resumed; before: {', '.join(str(e.get('id')) for e in r.earlier_environments)})"
+                                   if r.earlier_environments else "") for r in rs]
+        if len(by_id) == 1 and not any(r.earlier_environments for r in rs):
+            used = f"all {len(rs)} runs"
+        elif len(labels) > max_listed:
+            used = f"{len(rs)} runs: " + ", ".join(labels[:max_listed]) + f", … ({len(rs) - max_listed} more)"
+        else:
+            used = f"{len(rs)}: " + ", ".join(labels)
+        rows.append({"Fingerprint": key, **env_summary(envs[key]), "Runs": used})
+    return pd.DataFrame(rows)
 
 
 def summary_metrics(runs: list[Run]) -> dict[str, dict[str, dict[str, dict[str, float | None]]]]:
@@ -383,6 +432,7 @@ def render_markdown(runs: list[Run], title: str = "", curves_name: str | None = 
             lines += [f"### {paper[0]}", "", f"*{paper[1]}*", ""]
             for label, t in paper[2][group]:
                 lines += [f"#### {label}", "", _md_table(t), ""]
+    lines += [f"## {ENV_TITLE}", "", _md_table(environment_table(runs)), "", f"*{ENV_CAPTION}*", ""]
     if curves_name:
         lines += ["## Accuracy per round", "", f"![Accuracy per round]({curves_name})", ""]
     return "\n".join(lines)
@@ -402,6 +452,8 @@ p.caption { font-size: 0.85em; color: #555; max-width: 60em; }
 figure { margin: 1em 0; }
 figure img { max-width: 100%; border: 1px solid #ddd; }
 figcaption { font-size: 0.85em; color: #555; }
+table.env td, table.env td:first-child { white-space: normal; text-align: left; font-weight: normal; }
+table.env td:first-child { font-family: monospace; }
 """
 
 
@@ -436,6 +488,9 @@ def render_html(runs: list[Run], title: str = "", images: Iterable[tuple[str, st
             parts += [f"<h3>{html.escape(paper[0])}</h3>", f'<p class="caption">{html.escape(paper[1])}</p>']
             for label, t in paper[2][group]:
                 parts += [f"<h4>{html.escape(label)}</h4>", _html_table(t)]
+    parts += [f"<h2>{ENV_TITLE}</h2>",
+              environment_table(runs).to_html(index=False, escape=True, classes=["report", "env"], border=0),
+              f'<p class="caption">{html.escape(ENV_CAPTION)}</p>']
     images = list(images)
     if images:
         parts.append("<h2>Figures</h2>")

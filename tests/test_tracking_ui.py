@@ -1,0 +1,112 @@
+"""The MLflow UI opens a study as model training: the experiment type tag, the links of
+``medpfl ui`` and the study's child runs, on a throw-away SQLite store."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import pytest
+
+from medpfl.cli import main
+from medpfl.tracking import (EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, NOTE_TAG, RunLogger, init_study, study_children,
+                             ui_urls)
+
+
+def _client(uri):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(uri)
+
+
+@pytest.fixture()
+def store(tmp_path):
+    return f"sqlite:///{tmp_path}/mlruns.db", tmp_path
+
+
+def test_new_experiment_is_a_model_training_experiment(store):
+    uri, tmp = store
+    rec = init_study("s1", "exp-a", tmp / "results" / "s1" / "mlflow_parent.json", uri=uri, artifact_root=tmp / "art")
+    exp = _client(uri).get_experiment(rec["experiment_id"])
+    assert exp.tags[EXPERIMENT_KIND_TAG] == EXPERIMENT_KIND == "custom_model_development"
+    assert "dataset/partition/method/seed" in exp.tags[NOTE_TAG]
+
+
+def test_existing_experiment_gets_the_tag_and_a_user_choice_is_kept(store):
+    uri, tmp = store
+    c = _client(uri)
+    old = c.create_experiment("old", artifact_location=(tmp / "art" / "old").as_uri())
+    init_study("s", "old", tmp / "p1.json", uri=uri)
+    assert c.get_experiment(old).tags[EXPERIMENT_KIND_TAG] == EXPERIMENT_KIND
+    mine = c.create_experiment("mine", artifact_location=(tmp / "art" / "mine").as_uri(),
+                               tags={EXPERIMENT_KIND_TAG: "finetuning", NOTE_TAG: "my notes"})
+    init_study("s", "mine", tmp / "p2.json", uri=uri)
+    tags = c.get_experiment(mine).tags
+    assert tags[EXPERIMENT_KIND_TAG] == "finetuning" and tags[NOTE_TAG] == "my notes"
+
+
+def _children(uri, tmp, parent_file):
+    """Two datasets x two methods x two seeds, created out of order."""
+    ids = {}
+    for method, seed, ds in [("local", 2, "b"), ("fedavg", 1, "a"), ("local", 1, "a"), ("fedavg", 2, "b"),
+                             ("fedavg", 2, "a"), ("local", 2, "a"), ("fedavg", 1, "b"), ("local", 1, "b")]:
+        tags = {"study": "s1", "dataset": ds, "partition": "p", "method": method, "seed": str(seed),
+                "medpfl.role": "training"}
+        lg = RunLogger(parent_file, tmp / f"run-{ds}-{method}-{seed}.json", f"{ds}/p/{method}/seed{seed}", tags)
+        lg.finish()
+        ids[(ds, method, seed)] = lg.run_id
+    return ids
+
+
+def test_study_children_are_ordered_by_dataset_partition_method_seed(store):
+    uri, tmp = store
+    pf = tmp / "results" / "s1" / "mlflow_parent.json"
+    rec = init_study("s1", "exp-a", pf, uri=uri, artifact_root=tmp / "art")
+    ids = _children(uri, tmp, pf)
+    init_study("s2", "exp-a", tmp / "other.json", uri=uri)  # another study's parent in the same experiment
+    runs = study_children(rec)
+    assert [r.info.run_id for r in runs] == [ids[k] for k in sorted(ids)]
+    assert [r.info.run_name for r in runs][:3] == ["a/p/fedavg/seed1", "a/p/fedavg/seed2", "a/p/local/seed1"]
+
+
+def test_ui_urls_open_the_machine_learning_view_of_the_study():
+    parent = {"experiment_id": "7", "study": "pfedkd-mnist", "parent_run_id": "x", "tracking_uri": "sqlite:///x"}
+    urls = ui_urls(parent, "http://127.0.0.1:5000/", ["r1", "r2"])
+    exp = urlsplit(urls["experiment"])
+    assert exp.scheme == "http" and exp.netloc == "127.0.0.1:5000"
+    route, _, query = exp.fragment.partition("?")
+    assert route == "/experiments/7/runs"
+    q = parse_qs(query)
+    assert q["workflowType"] == ["machine_learning"] and q["compareRunsMode"] == ["CHART"]
+    assert q["searchFilter"] == ["tags.study = 'pfedkd-mnist'"]
+    route, _, query = urlsplit(urls["compare"]).fragment.partition("?")
+    assert route == "/compare-runs"
+    q = parse_qs(query)
+    assert json.loads(q["runs"][0]) == ["r1", "r2"] and json.loads(q["experiments"][0]) == ["7"]
+    assert "compare" not in ui_urls(parent, "http://h:1")
+
+
+def test_medpfl_ui_prints_the_command_and_the_links(store, capsys):
+    uri, tmp = store
+    pf = tmp / "results" / "s1" / "mlflow_parent.json"
+    rec = init_study("s1", "exp-a", pf, uri=uri, artifact_root=tmp / "art")
+    ids = _children(uri, tmp, pf)
+    assert main(["ui", "--study", "s1", "--results", str(tmp / "results"), "--port", "5123", "--no-serve"]) == 0
+    out = capsys.readouterr().out
+    assert f"mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5123" in out
+    assert f"http://127.0.0.1:5123/#/experiments/{rec['experiment_id']}/runs?workflowType=machine_learning" in out
+    assert "8 training runs" in out
+    compare = next(line for line in out.splitlines() if line.startswith("compare:"))
+    assert set(json.loads(unquote(compare.split("runs=")[1].split("&")[0]))) == set(ids.values())
+
+
+def test_medpfl_ui_without_the_study_says_what_to_run(tmp_path, capsys):
+    assert main(["ui", "--study", "nope", "--results", str(tmp_path), "--no-serve"]) == 2
+    err = capsys.readouterr().err
+    assert "nope" in err and "mlflow_parent.json" in err and "snakemake" in err
+
+
+def test_ui_is_documented():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "medpfl ui" in readme
