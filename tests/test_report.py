@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import json
 import struct
 import zlib
@@ -75,7 +77,7 @@ def runs(tmp_path: Path) -> list[Path]:
 
 def _rows(md: str, heading: str) -> dict[str, list[str]]:
     """First column -> the other cells of the first table after ``### <heading>`` in table.md."""
-    block = md.split(f"### {heading}")[1].split("###")[0]
+    block = re.split(r"\n#+ ", md.split(f"### {heading}")[1])[0]  # up to the next heading of any level
     rows = {}
     for line in block.splitlines():
         if line.startswith("|") and not set(line) <= set("|-: "):
