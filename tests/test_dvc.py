@@ -10,6 +10,7 @@ re-downloading or re-preprocessing) and retrains on it.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import pandas as pd
@@ -69,11 +70,21 @@ def test_dvc_repro_gates_stages(dvc_repo):
     assert set(lock["stages"]) == {"data", "train", "report"}
     assert lock["stages"]["train"]["params"]["params.yaml"]["train"]["rounds"] == 2
     _dvc_status_clean(repo, env)
+    # the partition figure is no DVC out: rendered differently elsewhere (fonts, PNG encoder),
+    # it does not make `dvc status` report the data stage as changed (docs/pipeline.md)
+    fig = repo / "data" / "figures" / "synth" / "d" / "heatmap.png"
+    assert fig.read_bytes().startswith(b"\x89PNG") and not (repo / PARTITION / "heatmap.png").exists()
+    saved, st = fig.read_bytes(), fig.stat()
+    fig.write_bytes(saved + b"rendered on another machine")
+    _dvc_status_clean(repo, env)
+    fig.write_bytes(saved)
+    os.utime(fig, ns=(st.st_atime_ns, st.st_mtime_ns))
     run(["git", "add", "-A"], cwd=repo, env=env)
     run(["git", "commit", "-q", "-m", "repro 1"], cwd=repo, env=env)
     tracked = subprocess.run(["git", "ls-files"], cwd=repo, capture_output=True, text=True).stdout.split()
-    assert not any(t.startswith(("data/raw/", "data/processed/", "data/partitions/", f"results/{STUDY}/runs/"))
-                   for t in tracked), "DVC outs were committed to git (their .gitignore entries are missing)"
+    assert not any(t.startswith(("data/raw/", "data/processed/", "data/partitions/", "data/figures/",
+                                 f"results/{STUDY}/runs/"))
+                   for t in tracked), "DVC outs or figures were committed to git (their .gitignore entries are missing)"
 
     # 2. nothing changed: DVC does not even start Snakemake.
     out = run([dvc, "repro"], cwd=repo, env=env, merge=True).stdout

@@ -189,7 +189,12 @@ def test_cli_stages(tmp_path):
                  "--out-dir", str(out)]) == 0
     table = read_parquet(out / "partition.parquet")
     assert table["client_id"].nunique() == 6 and table["sample_id"].is_unique
-    assert (out / "heatmap.png").exists()
+    stats = json.loads((out / "client_stats.json").read_text())
+    assert stats["class_names"] is None  # generated data: classes are named by index
+    assert not (out / "heatmap.png").exists()  # the figure is its own stage, outside the data
+    fig = tmp_path / "figures" / "heatmap.png"
+    assert main(["partition-figure", "--stats", str(out / "client_stats.json"), "--out", str(fig)]) == 0
+    assert fig.read_bytes().startswith(b"\x89PNG")
 
 
 def test_corrupt_synthetic_file_names_the_file(tmp_path):

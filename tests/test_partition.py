@@ -1,5 +1,7 @@
 """Tests of medpfl.data.partition: the three partition schemes, the local train/test rules, and the
-exact reproduction of the FedKPer authors' BloodMNIST partition (protocol Section 2)."""
+FedKPer BloodMNIST partition against the sizes an independent re-implementation of the authors'
+code gave (../shared/docs/fedkper-protocol.md section 2; not checked against the authors' own
+index files)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from medpfl.data.partition import (
     build_partition,
     client_class_counts,
     split_local,
+    stratified_test_count,
 )
 from medpfl.data.schemas import PartitionTable, TableError, validate
 
@@ -322,8 +325,8 @@ def test_stratified_rule_takes_fraction_of_each_class():
         assert len(test) >= 1 and len(train) >= 1
         tc = np.bincount(labels[test], minlength=NUM_CLASSES)
         for c, n in counts.items():
-            if round(0.2 * n) >= 1:
-                assert tc[c] == round(0.2 * n)
+            if stratified_test_count(0.2, n) >= 1:
+                assert tc[c] == stratified_test_count(0.2, n)
                 assert abs(tc[c] - 0.2 * n) <= 0.5
     # hand-checked: 10 + 4 + 1; 24 + 8
     assert [len(t) for _, t in out[:2]] == [15, 32]
@@ -331,8 +334,35 @@ def test_stratified_rule_takes_fraction_of_each_class():
     assert len(out[2][1]) == 1 and len(out[2][0]) == 1
     # {6: 1, 7: 1} also rounds to 0 per class: still exactly one test sample
     assert len(out[3][1]) == 1
-    # {2: 7}: round(1.4) = 1
+    # {2: 7}: 1.4 rounds to 1
     assert len(out[4][1]) == 1
+
+
+@pytest.mark.parametrize("fraction, n, expected", [
+    (0.25, 2, 1),    # 0.5 -> 1 (Python's round: 0)
+    (0.25, 6, 2),    # 1.5 -> 2
+    (0.25, 10, 3),   # 2.5 -> 3 (Python's round: 2)
+    (0.25, 14, 4),   # 3.5 -> 4
+    (0.5, 1, 1),     # 0.5 -> 1
+    (0.5, 5, 3),     # 2.5 -> 3
+    (0.1, 5, 1),     # 0.5 -> 1
+    (0.1, 15, 2),    # 1.5 -> 2
+    (0.29, 50, 15),  # 14.5 exactly on the decimal value (the float product is 14.4999...)
+    (0.3, 5, 2),     # 1.5
+    (0.2, 7, 1), (0.2, 8, 2), (0.25, 1, 0), (0.25, 3, 1), (0.2, 0, 0),  # not halves: nearest
+])
+def test_stratified_rule_rounds_half_up(fraction, n, expected):
+    assert stratified_test_count(fraction, n) == expected
+
+
+def test_stratified_split_half_cases():
+    """Classes whose fraction * n is exactly a half get the larger count, in split_local itself."""
+    clients = [{0: 2, 1: 6, 2: 10, 3: 14}, {4: 2}, {5: 1, 6: 3}]
+    labels, out = _split(clients, "stratified", fraction=0.25)
+    tc = [dict(enumerate(np.bincount(labels[test], minlength=NUM_CLASSES).tolist())) for _, test in out]
+    assert {c: tc[0][c] for c in (0, 1, 2, 3)} == {0: 1, 1: 2, 2: 3, 3: 4}
+    assert len(out[1][1]) == 1 and len(out[1][0]) == 1  # a class of 2 at 0.25: one test sample
+    assert {c: tc[2][c] for c in (5, 6)} == {5: 0, 6: 1}  # 0.25 -> 0, 0.75 -> 1
 
 
 def test_random_rule_size_and_coverage():
@@ -423,6 +453,8 @@ def test_partition_schema_accepts_good_and_rejects_bad_tables():
 
 # ----------------------------------------------------------------------------- real BloodMNIST
 
+# Client sizes (seed 1, K=20, alpha 0.1) from an independent re-implementation of the FedKPer
+# authors' partition code (../shared/docs/fedkper-protocol.md section 2), not from their files.
 AUTHORS_SIZES = [335, 161, 797, 1323, 1335, 857, 1312, 548, 642, 1189, 212, 329, 497, 171, 76, 20, 688, 1014, 378, 75]
 
 
@@ -434,7 +466,7 @@ def blood_train_labels() -> np.ndarray:
         return z["train_labels"][:, 0].astype(np.int64)
 
 
-def test_reproduces_fedkper_authors_bloodmnist_partition(blood_train_labels):
+def test_matches_reimplemented_fedkper_bloodmnist_partition(blood_train_labels):
     y = blood_train_labels
     assert len(y) == 11959
     cfg = PartitionConfig(num_clients=20, alpha=0.1, seed=1, local_test={"rule": "fedkper"})

@@ -278,4 +278,6 @@ def test_partition_stage_writes_table_stats_and_heatmap(tmp_path, synthetic_proc
     assert table["sample_id"].duplicated().any()  # 6 clients x ~55 of a 400-sample pool
     stats = json.loads((out / "client_stats.json").read_text())
     assert sum(sum(c["train"]) + sum(c["test"]) for c in stats["clients"].values()) == len(table)
-    assert (out / "heatmap.png").stat().st_size > 0
+    fig = tmp_path / "fig" / "heatmap.png"
+    assert main(["partition-figure", "--stats", str(out / "client_stats.json"), "--out", str(fig)]) == 0
+    assert fig.stat().st_size > 0

@@ -40,7 +40,7 @@ def cmd_preprocess(a) -> None:
     job = _job(a.job) if a.job else {"dataset": a.dataset, "custom": {}}
     spec = dataset_spec(job["dataset"], job.get("custom") or None, job.get("synthetic"))
     samples = preprocess(a.raw, a.out, a.samples, spec.num_classes, spec.n_channels, layout=spec.layout,
-                         norm=spec.norm)
+                         norm=spec.norm, class_names=spec.class_names)
     counts = samples.groupby("split").size().to_dict()
     print(f"{job['dataset']}: {len(samples)} images {counts} -> {a.out}")
 
@@ -50,7 +50,6 @@ def cmd_partition(a) -> None:
     from medpfl.data.partition import build_partition, client_class_counts
     from medpfl.data.preprocess import load_processed
     from medpfl.io import write_json, write_parquet
-    from medpfl.report.partition_figure import partition_heatmap
 
     job = _job(a.job)
     cfg = PartitionConfig.model_validate(job["config"])
@@ -63,12 +62,21 @@ def cmd_partition(a) -> None:
     out = Path(a.out_dir)
     write_parquet(out / "partition.parquet", table)
     counts = client_class_counts(table, data.num_classes)
+    names = list(data.class_names) if data.class_names is not None else None
     write_json(out / "client_stats.json", {"dataset": job["dataset"], "partition": job["name"], "config": job["config"],
-                                           "num_classes": data.num_classes, "clients": counts})
-    partition_heatmap(counts, data.num_classes, out / "heatmap.png",
-                      title=f"{job['dataset']} / {job['name']}: samples per class and client")
+                                           "num_classes": data.num_classes, "class_names": names, "clients": counts})
     sizes = table.groupby("client_id").size()
     print(f"{job['dataset']}/{job['name']}: {len(sizes)} clients, sizes {sizes.min()}..{sizes.max()}")
+
+
+def cmd_partition_figure(a) -> None:
+    from medpfl.io import read_json
+    from medpfl.report.partition_figure import partition_heatmap
+
+    stats = read_json(a.stats)
+    partition_heatmap(stats["clients"], stats["num_classes"], Path(a.out), class_names=stats.get("class_names"),
+                      title=f"{stats['dataset']} / {stats['partition']}: samples per class and client")
+    print(f"{stats['dataset']}/{stats['partition']}: {a.out}")
 
 
 def cmd_mlflow_init(a) -> None:
@@ -223,6 +231,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--samples", required=True)
     s.add_argument("--out-dir", required=True)
     s.set_defaults(fn=cmd_partition)
+
+    s = sub.add_parser("partition-figure", help="heat map of a partition's samples per class and client")
+    s.add_argument("--stats", required=True, help="the partition's client_stats.json")
+    s.add_argument("--out", required=True, help="PNG file to write")
+    s.set_defaults(fn=cmd_partition_figure)
 
     s = sub.add_parser("mlflow-init", help="create the MLflow store, experiment and the study's parent run")
     s.add_argument("--study", required=True)

@@ -32,12 +32,15 @@ class LocalTestConfig(_Strict):
     """How each client's data is split into local train and local test.
 
     rule:
-      ``stratified``: per class, ``round(fraction * n_kc)`` samples go to test (at least one
-      test sample per client).
-      ``random``: a uniformly random ``int(fraction * n_k)`` of the client's samples.
+      ``stratified``: per class, ``fraction * n_kc`` rounded half up (``floor(fraction * n_kc
+      + 1/2)``, exact on the decimal value of ``fraction``: 0.25 of a class of 2 is 1 test
+      sample, of 6 is 2, of 10 is 3) go to test; a client whose classes all round to 0 gives one
+      sample of its largest class (at least one test sample per client).
+      ``random``: a uniformly random ``max(1, int(fraction * n_k))`` of the client's samples.
       ``fedkper``: the FedKPer authors' class-balanced rule (``create_local`` in
-      olivesgatech/FedKPer ``datasetter.py``; ``docs/fedkper.md``): ``int(fraction*n_k)/|classes|``
-      per present class, ``int(fraction*n_kc)`` where a class is too small.
+      olivesgatech/FedKPer ``datasetter.py``, as read in ``../shared/docs/fedkper-protocol.md``
+      §2; ``docs/methods.md``): ``int(fraction*n_k)/|classes|`` per present class,
+      ``int(fraction*n_kc)`` where a class is too small.
       ``ordered``: no draw: the first ``int((1 - fraction) * n_k)`` samples of the client, in
       the client's (already shuffled) order, are local train and the rest local test (the
       pFedKD-WCL code's ``split = int(0.75 * len(X))``; the default of ``per_client_dirichlet``).

@@ -1,8 +1,15 @@
-"""Atomic file output and small readers shared by every stage.
+"""Atomic, deterministic file output and small readers shared by every stage.
 
 Every stage writes to a temporary file in the destination folder and ``os.replace``s it into
 place, so a crash never leaves a half-written file under the final name that a later stage
 (or Snakemake's "output exists" check) could trust.
+
+The writers are also deterministic: the same content gives the same bytes on any machine, in
+any folder, at any time (docs/pipeline.md, "Byte-reproducible data"). Text and JSON are UTF-8
+with ``\n`` line ends whatever the platform and locale; JSON keys are sorted; ``.npz``
+archives have fixed zip entry times, platform and permission fields and little-endian arrays
+(:func:`write_npz`); parquet files carry no pandas/pyarrow version strings (:func:`write_parquet`;
+the format's own ``created_by`` field, written by pyarrow, still names the pinned pyarrow).
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import hashlib
 import json
 import os
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -55,8 +63,9 @@ def atomic_path(path: str | Path, suffix: str | None = None) -> Iterator[Path]:
 
 
 def write_text(path: str | Path, text: str) -> None:
+    """UTF-8 with ``\n`` line ends (no platform newline translation, no locale encoding)."""
     with atomic_path(path) as tmp:
-        tmp.write_text(text)
+        tmp.write_bytes(text.encode("utf-8"))
 
 
 def write_json(path: str | Path, obj: Any) -> None:
@@ -85,9 +94,61 @@ def read_json(path: str | Path) -> Any:
         raise ValueError(f"{path}: not valid JSON ({e}); delete it and re-run the stage that writes it") from None
 
 
+# Version strings that pyarrow puts into the pandas metadata of a parquet file; nothing reads
+# them back, and they would make the bytes depend on the installed pandas/pyarrow.
+_PANDAS_META_VERSIONS = ("creator", "pandas_version")
+
+
 def write_parquet(path: str | Path, df) -> None:
+    """``df`` without its index, snappy-compressed, with deterministic metadata.
+
+    The pandas metadata (column dtypes, so that extension dtypes survive a round trip) is kept
+    with sorted keys and without ``creator``/``pandas_version``.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pandas(df, preserve_index=False)
+    meta = dict(table.schema.metadata or {})
+    if b"pandas" in meta:
+        pandas_meta = json.loads(meta[b"pandas"])
+        for key in _PANDAS_META_VERSIONS:
+            pandas_meta.pop(key, None)
+        meta[b"pandas"] = json.dumps(pandas_meta, sort_keys=True).encode()
+    table = table.replace_schema_metadata(meta)
     with atomic_path(path) as tmp:
-        df.to_parquet(tmp, index=False)
+        pq.write_table(table, tmp, compression="snappy")
+
+
+# Fixed zip entry fields: the DOS epoch (numpy's default too), "Unix" as the creating system
+# (zipfile writes 0 on Windows, 3 elsewhere) and rw------- permissions: on Linux, the bytes of
+# np.savez (whose entries zipfile gives these fields there).
+NPZ_DATE_TIME = (1980, 1, 1, 0, 0, 0)
+_LITTLE = np.little_endian
+
+
+def write_npz(path: str | Path, arrays: dict[str, Any], compress: bool = False) -> None:
+    """Write ``arrays`` as an ``.npz`` archive (``np.load`` reads it) whose bytes depend only on
+    the arrays, their order and ``compress``; numeric arrays are stored little-endian.
+
+    Like ``np.savez`` (``compress``: ``np.savez_compressed``; deflate output can still differ
+    between zlib builds), but every zip entry gets :data:`NPZ_DATE_TIME`, Unix as its system
+    and fixed permissions, so no entry header depends on the clock or the platform (``zipfile``
+    itself writes 0, not 3, as the system on Windows).
+    """
+    method = zipfile.ZIP_DEFLATED if compress else zipfile.ZIP_STORED
+    with atomic_path(path) as tmp:
+        with zipfile.ZipFile(tmp, mode="w", compression=method, allowZip64=True) as zf:
+            for key, value in arrays.items():
+                arr = np.asanyarray(value)
+                if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and not _LITTLE):
+                    arr = arr.astype(arr.dtype.newbyteorder("<"))
+                info = zipfile.ZipInfo(f"{key}.npy", date_time=NPZ_DATE_TIME)
+                info.create_system = 3
+                info.external_attr = 0o600 << 16
+                info.compress_type = method
+                with zf.open(info, "w", force_zip64=True) as f:
+                    np.lib.format.write_array(f, arr, allow_pickle=False)
 
 
 def read_parquet(path: str | Path):

@@ -82,6 +82,11 @@ def partition_outputs(name):
     return [f"data/partitions/{d}/{p}/{name}" for d, p in PARAMS.dataset_partitions()]
 
 
+def partition_figures():
+    """The partition heat maps, drawn outside the DVC-versioned data/partitions (data.smk)."""
+    return [f"data/figures/{d}/{p}/heatmap.png" for d, p in PARAMS.dataset_partitions()]
+
+
 def report_outputs():
     return expand(
         "results/{study}/report/{f}",

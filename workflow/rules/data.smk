@@ -39,12 +39,6 @@ rule partition:
     output:
         table="data/partitions/{dataset}/{partition}/partition.parquet",
         stats="data/partitions/{dataset}/{partition}/client_stats.json",
-        figure=report(
-            "data/partitions/{dataset}/{partition}/heatmap.png",
-            caption="../report/partition.rst",
-            category="Partitions",
-            labels={"dataset": "{dataset}", "partition": "{partition}"},
-        ),
     params:
         job=partition_json,
         code=code_hash("data"),
@@ -57,6 +51,29 @@ rule partition:
         "--out-dir $(dirname {output.table}) > {log} 2>&1"
 
 
+# The figure is not data: its pixels depend on the machine's rendering, so it lives outside the
+# DVC outs (data/figures/, git-ignored) and nothing but the report reads it (docs/pipeline.md).
+rule partition_figure:
+    input:
+        "data/partitions/{dataset}/{partition}/client_stats.json",
+    output:
+        report(
+            "data/figures/{dataset}/{partition}/heatmap.png",
+            caption="../report/partition.rst",
+            category="Partitions",
+            labels={"dataset": "{dataset}", "partition": "{partition}"},
+        ),
+    params:
+        code=code_hash("report/partition_figure.py"),
+    log:
+        "logs/partition_figure/{dataset}/{partition}.log",
+    conda:
+        "../envs/medpfl.yaml"
+    shell:
+        "medpfl partition-figure --stats {input} --out {output} > {log} 2>&1"
+
+
 rule data_all:
     input:
         partition_outputs("partition.parquet"),
+        partition_figures(),

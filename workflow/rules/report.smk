@@ -7,7 +7,7 @@ rule report:
     input:
         metrics=expand("{run}/metrics.json", run=run_dirs()),
         per_round=expand("{run}/round_metrics.csv", run=run_dirs()),
-        figures=partition_outputs("heatmap.png"),
+        figures=partition_figures(),
         parent=ancient("results/{study}/mlflow_parent.json"),
         paper=[PARAMS.report.paper_table] if PARAMS.report.paper_table else [],
     output:

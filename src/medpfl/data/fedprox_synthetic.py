@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from medpfl.io import atomic_path, md5sum
+from medpfl.io import md5sum, write_npz
 
 KEYS = ("features", "labels", "client_id", "local_split", "params")
 
@@ -114,7 +114,6 @@ class SyntheticArgs:
 def write_fedprox_synthetic(out: str | Path, args: SyntheticArgs) -> str:
     """Generate and write the file atomically (layout in the module docstring); return its MD5."""
     g = generate(**asdict(args))
-    with atomic_path(out) as tmp:
-        np.savez(tmp, features=g.features.astype(np.float32), labels=g.labels, client_id=g.client_id,
-                 local_split=g.local_split, params=np.array(json.dumps(asdict(args), sort_keys=True)))
+    write_npz(out, {"features": g.features.astype(np.float32), "labels": g.labels, "client_id": g.client_id,
+                    "local_split": g.local_split, "params": np.array(json.dumps(asdict(args), sort_keys=True))})
     return md5sum(out)

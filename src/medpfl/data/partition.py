@@ -4,10 +4,13 @@ share into local train and local test.
 One class per scheme (``DirichletPartitioner``, ``IIDPartitioner``,
 ``PathologicalPartitioner``, ``PerClientDirichletPartitioner``), each seeded, each returning a
 list of K index arrays into the label vector it was given. All draws come from one
-``numpy.random.RandomState(seed)`` that continues into the local train/test split, which
-reproduces the FedKPer authors' partition exactly (``docs/fedkper.md``; client sizes 335, 161,
-797, ... on BloodMNIST, K=20, alpha 0.1, seed 1). The ``natural`` scheme draws nothing: it
-takes the clients and local splits a generated federated data set carries.
+``numpy.random.RandomState(seed)`` that continues into the local train/test split, in the
+order of the FedKPer authors' code as read in ``../shared/docs/fedkper-protocol.md`` §2 (the
+``dirichlet`` scheme and the ``fedkper`` local rule; see also ``docs/methods.md``). With
+BloodMNIST, K=20, alpha 0.1, seed 1 it gives the client sizes 335, 161, 797, ... that an
+independent re-implementation of that code gave (``tests/test_partition.py``); it has not been
+compared with index files written by the authors' own code. The ``natural`` scheme draws
+nothing: it takes the clients and local splits a generated federated data set carries.
 
 The first three schemes are disjoint (every pool sample goes to exactly one client; the table
 is checked against :class:`PartitionTable`). ``per_client_dirichlet`` samples each client from
@@ -19,7 +22,9 @@ Errors: :class:`PartitionError` (a ``ValueError``) whose message names the param
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 import pandas as pd
@@ -289,8 +294,9 @@ def split_local(clients: list[np.ndarray], labels: np.ndarray, cfg: LocalTestCon
     """Split each client's positions into ``(local train, local test)``.
 
     Rules (``cfg.rule``):
-      stratified: per class, ``round(fraction * n_kc)`` to test; if that gives no test sample,
-        one sample of the client's largest class goes to test.
+      stratified: per class, :func:`stratified_test_count` = ``floor(fraction * n_kc + 1/2)``
+        (round half up, on the decimal value of ``fraction``) to test; if that gives no test
+        sample, one sample of the client's largest class goes to test.
       random: ``max(1, int(fraction * n_k))`` uniformly random samples to test.
       fedkper: the authors' ``create_local``: ``m = int(fraction * n_k)``; per present class
         (sorted) draw ``int(m / |classes|)`` without replacement, or ``int(fraction * n_kc)``
@@ -320,7 +326,7 @@ def split_local(clients: list[np.ndarray], labels: np.ndarray, cfg: LocalTestCon
             picks = []
             for c in np.unique(y):
                 members = idx[y == c]
-                m = int(round(cfg.fraction * len(members)))
+                m = stratified_test_count(cfg.fraction, len(members))
                 if m:
                     picks.append(rng.choice(members, size=m, replace=False))
             test = np.concatenate(picks) if picks else idx[:0]
@@ -337,6 +343,20 @@ def split_local(clients: list[np.ndarray], labels: np.ndarray, cfg: LocalTestCon
             raise PartitionError(f"{key}: client {cid} ({len(idx)} samples) gets no local train sample; lower the fraction")
         out.append((train, test))
     return out
+
+
+def stratified_test_count(fraction: float, n: int) -> int:
+    """How many of a class's ``n`` samples the ``stratified`` rule puts in local test:
+    ``fraction * n`` rounded half up, ``floor(fraction * n + 1/2)``.
+
+    The product is computed exactly on the decimal value of ``fraction`` as written in the params
+    (``0.29 * 50`` is 14.5 and gives 15, although the binary float product is 14.4999...), so
+    every half case rounds up: 0.25 of 2 gives 1, of 6 gives 2 (1.5), of 10 gives 3 (2.5).
+    (Earlier versions used Python's ``round``, which rounds halves to even: 0.5 -> 0,
+    1.5 -> 2, 2.5 -> 2.)
+    """
+    exact = Fraction(repr(float(fraction))) * n + Fraction(1, 2)
+    return int(math.floor(exact))
 
 
 def _fedkper_test(idx: np.ndarray, y: np.ndarray, fraction: float, rng: np.random.RandomState) -> np.ndarray:

@@ -1,7 +1,9 @@
 """Preprocess: an official raw file into one compact array file and a sample table.
 
 Output ``<out>.npz`` holds ``images`` and ``labels`` (int64, ``[N]``) in the order train, val,
-test, and ``num_classes``; ``<out>.samples.parquet`` holds one row per sample (``sample_id`` =
+test, ``num_classes`` and, when the data set has label names (MedMNIST's
+``medmnist.INFO[flag]["label"]``, MNIST's digits), ``class_names`` (str ``[C]``);
+``<out>.samples.parquet`` holds one row per sample (``sample_id`` =
 row in the arrays, ``split``, ``index_in_split``, ``label``), validated by
 :class:`medpfl.data.schemas.SampleTable`. Raw layouts (``DatasetSpec.layout``):
 
@@ -13,6 +15,9 @@ row in the arrays, ``split``, ``index_in_split``, ``label``), validated by
   ``[N, d]`` (not normalised); every sample is in the train split (there is no global test
   set), and the table adds ``natural_client`` and ``natural_split`` (the generator's clients
   and local splits, for the ``natural`` partition scheme).
+
+Both files are written deterministically (:func:`medpfl.io.write_npz`,
+:func:`medpfl.io.write_parquet`): the same raw file gives the same bytes on any machine.
 
 ``norm`` = ``(mean, std)`` is stored as ``norm_mean`` / ``norm_std`` when given: uint8 images
 are then normalised as ``ToTensor()`` + ``Normalize(mean, std)`` (MNIST: 0.1307, 0.3081);
@@ -27,13 +32,14 @@ from __future__ import annotations
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import pandas as pd
 
 from medpfl.data.schemas import SampleTable, validate
 from medpfl.data.sources import DataError
-from medpfl.io import atomic_path, write_parquet
+from medpfl.io import write_npz, write_parquet
 
 SPLIT_ORDER = ("train", "val", "test")
 
@@ -190,19 +196,27 @@ class ProcessedData:
     samples: pd.DataFrame
     num_classes: int
     norm: tuple[float, float] | None = None
+    class_names: tuple[str, ...] | None = None  # label names by class index (None: unnamed)
 
     def split_ids(self, split: str) -> np.ndarray:
         return self.samples.loc[self.samples["split"] == split, "sample_id"].to_numpy()
 
 
 def preprocess(raw: str | Path, out_arrays: str | Path, out_samples: str | Path, num_classes: int, n_channels: int,
-               layout: str = "medmnist", norm: tuple[float, float] | None = None) -> pd.DataFrame:
+               layout: str = "medmnist", norm: tuple[float, float] | None = None,
+               class_names: Sequence[str] | None = None) -> pd.DataFrame:
     """Write the compact array file and the validated sample table; return the table.
 
     layout: ``medmnist`` | ``keras`` | ``synthetic`` (for ``synthetic``, ``n_channels`` is the
     feature dimension d). norm: stored for uint8 images (see the module docstring).
+    class_names: the label names by class index (``num_classes`` of them), stored as
+    ``class_names``; None stores none (the class index names the class).
     """
     extra: dict[str, np.ndarray] = {}
+    if class_names is not None:
+        if len(class_names) != num_classes:
+            raise DataError(f"{raw}: {len(class_names)} class names for {num_classes} classes")
+        extra["class_names"] = np.array([str(c) for c in class_names], dtype=str)
     if layout == "synthetic":
         g = load_synthetic_npz(raw, num_classes, n_channels)
         images, labels = g["features"], g["labels"]
@@ -234,10 +248,9 @@ def preprocess(raw: str | Path, out_arrays: str | Path, out_samples: str | Path,
             mean, std = (float(v) for v in norm)
             if not std > 0:
                 raise DataError(f"{raw}: normalisation std must be > 0, got {std}")
-            extra = {"norm_mean": np.float64(mean), "norm_std": np.float64(std)}
+            extra |= {"norm_mean": np.float64(mean), "norm_std": np.float64(std)}
     samples = validate(SampleTable, samples, str(out_samples))
-    with atomic_path(out_arrays) as tmp:
-        np.savez(tmp, images=images, labels=labels, num_classes=np.int64(num_classes), **extra)
+    write_npz(out_arrays, {"images": images, "labels": labels, "num_classes": np.int64(num_classes), **extra})
     write_parquet(out_samples, samples)
     return samples
 
@@ -251,9 +264,11 @@ def load_processed(arrays: str | Path, samples: str | Path) -> ProcessedData:
         with np.load(arrays, allow_pickle=False) as z:
             images, labels, num_classes = z["images"], z["labels"], int(z["num_classes"])
             norm = (float(z["norm_mean"]), float(z["norm_std"])) if "norm_mean" in z.files else None
+            names = tuple(str(c) for c in z["class_names"]) if "class_names" in z.files else None
     except (zipfile.BadZipFile, OSError, ValueError, KeyError, EOFError) as e:
         raise DataError(f"{arrays}: unreadable processed array file ({e}); delete it and re-run preprocess") from None
     table = validate(SampleTable, read_parquet(samples), str(samples))
     if len(table) != len(labels) or not np.array_equal(table["label"].to_numpy(), labels):
         raise DataError(f"{samples}: sample table does not match {arrays} (re-run preprocess)")
-    return ProcessedData(images=images, labels=labels, samples=table, num_classes=num_classes, norm=norm)
+    return ProcessedData(images=images, labels=labels, samples=table, num_classes=num_classes, norm=norm,
+                         class_names=names)

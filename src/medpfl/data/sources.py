@@ -54,6 +54,7 @@ class DatasetSpec:
     norm: tuple[float, float] | None = None  # (mean, std) after ToTensor; None = Normalize(0.5, 0.5)
     alt_sha256: tuple[str, ...] = ()  # other accepted checksums of the same content (a re-packed file)
     generator: dict | None = None  # synthetic: the generator's arguments (fedprox_synthetic.SyntheticArgs)
+    class_names: tuple[str, ...] | None = None  # label names by class index; None: the index is the name
 
     @property
     def filename(self) -> str:
@@ -69,6 +70,7 @@ MNIST = DatasetSpec(
     url="https://storage.googleapis.com/tensorflow/tf-keras-datasets/mnist.npz",
     md5="1645a3b44f673782419eaed6fa02cb86",
     n_channels=1, num_classes=10, task="multi-class", layout="keras",
+    class_names=tuple(str(d) for d in range(10)),
     norm=(0.1307, 0.3081),  # the pFedKD-WCL code: ToTensor() then Normalize((0.1307,), (0.3081,))
     alt_sha256=("731c5ac602752760c8e48fbffcf8c3b850d9dc2a2aedcf2cc48468fc17b673d1",),
 )
@@ -163,7 +165,15 @@ def dataset_spec(name: str, custom: dict | None = None, synthetic: dict | None =
         n_channels=int(info["n_channels"]),
         num_classes=len(info["label"]),
         task=info["task"],
+        class_names=medmnist_class_names(info),
     )
+
+
+def medmnist_class_names(info: dict) -> tuple[str, ...]:
+    """The label names of a MedMNIST flag (``medmnist.INFO[flag]["label"]``, ``{"0": name, ...}``)
+    in class-index order."""
+    labels = info["label"]
+    return tuple(str(labels[k]) for k in sorted(labels, key=int))
 
 
 def default_mirrors(project_root: Path | None = None) -> list[Path]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from medpfl.io import atomic_path, md5sum
+from medpfl.io import md5sum, write_npz
 
 
 def write_synthetic_npz(out: Path, num_classes: int = 4, n_channels: int = 3, size: int = 28,
@@ -31,6 +31,5 @@ def write_synthetic_npz(out: Path, num_classes: int = 4, n_channels: int = 3, si
             x = x[..., 0]
         arrays[f"{split}_images"] = x
         arrays[f"{split}_labels"] = y.astype(np.uint8)[:, None]
-    with atomic_path(out) as tmp:
-        np.savez_compressed(tmp, **arrays)
+    write_npz(out, arrays, compress=True)
     return md5sum(out)
