@@ -11,13 +11,10 @@ PARAMS = validate_params(config, "params.yaml (with any --configfile overlays)")
 STUDY = PARAMS.study
 ROOT = Path(workflow.basedir)
 HAS_GPU = shutil.which("nvidia-smi") is not None
-# Threads per training job. With a GPU, jobs take turns on it (resource gpu=1), so each may use
-# up to 8 cores. On a CPU, the cores are shared among the study's training jobs: small models
-# train faster as several single-threaded jobs in parallel than as one job on several threads
-# (2 cores: two jobs of 1 thread each). `--set-threads train=N` overrides it.
-_N_TRAIN = len(PARAMS.dataset_partitions()) * len(PARAMS.methods) * len(PARAMS.seeds)
-_CORES = max(1, int(workflow.cores or 1))
-TRAIN_THREADS = min(_CORES, 8) if HAS_GPU else max(1, min(8, _CORES // min(_N_TRAIN, _CORES)))
+# Threads per training job (Snakemake runs as many jobs at once as cores allow). Measured on
+# the default study (2 cores, cnn4): one 2-thread job at a time and two 1-thread jobs in
+# parallel train at the same rate, and the former leaves no lone 1-thread job at the end.
+TRAIN_THREADS = max(1, min(int(workflow.cores or 1), 8))
 
 
 wildcard_constraints:
