@@ -22,7 +22,7 @@ from medpfl.config import EvalConfig, TrainConfig, train_job, validate_params
 from medpfl.data.partition import build_partition
 from medpfl.data.preprocess import load_processed, preprocess
 from medpfl.data.synthetic import write_synthetic_npz
-from medpfl.fl.engine import Engine, PrivacyError, check_upload
+from medpfl.fl.engine import Engine, UploadSpecError, check_upload
 from medpfl.io import atomic_path, md5sum, write_parquet
 from medpfl.tracking import RunLogger, TrackingError, init_study
 from tests.conftest import SHARED_BLOOD, initial_params, make_algo
@@ -235,22 +235,22 @@ def test_preprocess_killed_mid_write_never_leaves_a_partial_output(tmp_path):
     assert any(not x for x, _ in outcomes), "no kill landed before the arrays were written"
 
 
-# ----- the privacy boundary ------------------------------------------------------------------
-def test_privacy_boundary_rejects_undeclared_or_per_sample_uploads():
+# ----- the upload check (declared keys and shapes) -----------------------------------------
+def test_upload_check_rejects_undeclared_or_per_sample_uploads():
     algo = make_algo("fedavg")
     spec = algo.upload_spec()
     shapes = {k: v.shape for k, v in initial_params().items()}
     good = {"model": {k: torch.zeros(2, *s) for k, s in shapes.items()}, "num_samples": torch.ones(2)}
     check_upload(algo.name, spec, good, 2)
-    with pytest.raises(PrivacyError, match="declared"):
+    with pytest.raises(UploadSpecError, match="declared"):
         check_upload(algo.name, spec, {**good, "images": torch.zeros(2, 10, 3, 28, 28)}, 2)
-    with pytest.raises(PrivacyError, match="num_samples"):
+    with pytest.raises(UploadSpecError, match="num_samples"):
         check_upload(algo.name, spec, {**good, "num_samples": torch.zeros(2, 37)}, 2)  # per-sample labels
     bad = {**good, "model": {**good["model"], "fc.weight": torch.zeros(2, 10, 3, 28, 28)}}
-    with pytest.raises(PrivacyError, match="fc.weight"):
+    with pytest.raises(UploadSpecError, match="fc.weight"):
         check_upload(algo.name, spec, bad, 2)
     extra = {**good, "model": {**good["model"], "label_hist": torch.zeros(2, 4)}}
-    with pytest.raises(PrivacyError, match="declared tensors"):
+    with pytest.raises(UploadSpecError, match="declared tensors"):
         check_upload(algo.name, spec, extra, 2)
 
 
@@ -264,6 +264,6 @@ def test_a_method_that_uploads_data_is_stopped(fed_data):
         return {**up, "label_hist": info["label_hist"]}, st, model
 
     algo.finish = leaky
-    with pytest.raises(PrivacyError, match="label_hist"):
+    with pytest.raises(UploadSpecError, match="label_hist"):
         Engine(algo, fed_data, TrainConfig(rounds=1, participation=0.6, local_epochs=1), EvalConfig(), seed=0,
                executor_kind="sequential").run()

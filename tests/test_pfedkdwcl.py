@@ -17,7 +17,7 @@ from medpfl.config import EvalConfig, TrainConfig
 from medpfl.fl.data import FederatedData
 from medpfl.fl.engine import Engine
 from medpfl.fl.executors import SequentialExecutor
-from medpfl.fl.payload import PrivacyError, check_upload, payload_nbytes
+from medpfl.fl.payload import UploadSpecError, check_upload, payload_nbytes
 from medpfl.fl.program import Download, RoundInfo, phase_plan
 from medpfl.fl.sampling import seeded_cpu_rng
 from medpfl.fl.stacked import StackedExecutor
@@ -207,10 +207,10 @@ def test_finish_uploads_the_gradient_and_keeps_theta():
     assert torch.equal(up["grad"]["fc.bias"], torch.full((C,), 1.0, dtype=torch.float64))
     assert state == {"theta": theta} and model is theta
     assert algo.personalized_model(state, {"model": None}) is theta
-    # an upload carrying theta is refused at the privacy boundary
+    # an upload carrying theta is refused by the upload check
     stacked = {"grad": {k: v.unsqueeze(0) for k, v in g.items()}, "num_samples": torch.ones(1)}
     check_upload(algo.name, algo.upload_spec(), stacked, 1)
-    with pytest.raises(PrivacyError):
+    with pytest.raises(UploadSpecError):
         leak = {**stacked, "theta": {k: v.unsqueeze(0) for k, v in theta.items()}}
         check_upload(algo.name, algo.upload_spec(), leak, 1)
 

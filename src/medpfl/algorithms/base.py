@@ -145,7 +145,7 @@ class Algorithm:
         return server["model"] if self.has_global_model else None
 
     def upload_spec(self) -> dict[str, Spec]:
-        """What may cross from a client to the server, with its shape (the privacy boundary).
+        """What may cross from a client to the server, with its shape (the upload check enforces it).
         Default: the whole model state and the sample count."""
         return {"model": TreeSpec(self.forward.shapes), "num_samples": ArraySpec()}
 

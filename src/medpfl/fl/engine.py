@@ -37,7 +37,7 @@ from medpfl.data.schemas import EvalRecords, RoundLog, validate
 from medpfl.fl.data import FederatedData
 from medpfl.fl.evaluation import eval_groups, records_from_counts
 from medpfl.fl.functional import Params, model_state
-from medpfl.fl.payload import PrivacyError, check_upload, payload_nbytes
+from medpfl.fl.payload import UploadSpecError, check_upload, payload_nbytes
 from medpfl.fl.program import Download, Phase, RoundInfo
 from medpfl.fl.sampling import client_schedule, seeded_cpu_rng
 from medpfl.fl.tree import tree_index, tree_leaves, tree_scatter, tree_stack
@@ -105,7 +105,7 @@ def make_executor(kind: str, algo: Algorithm, data: FederatedData, train: TrainC
 #: bump when the checkpoint layout or the engine's arithmetic changes (old checkpoints restart)
 ENGINE_VERSION = 2
 
-__all__ = ["Engine", "RunResult", "PrivacyError", "check_upload", "fingerprint", "resolve_device", "make_executor"]
+__all__ = ["Engine", "RunResult", "UploadSpecError", "check_upload", "fingerprint", "resolve_device", "make_executor"]
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""What crosses between clients and server: declared upload specs (the privacy boundary),
+"""What crosses between clients and server: declared upload specs (the upload check),
 exact byte counts, and the low-rank (truncated SVD) codec of compressed payloads.
 
 Uploads are checked against the method's :meth:`~medpfl.algorithms.base.Algorithm.upload_spec`:
@@ -16,8 +16,13 @@ from typing import Any, Mapping, NamedTuple
 import torch
 
 
-class PrivacyError(RuntimeError):
-    """A client tried to send the server something other than what its method declares."""
+class UploadSpecError(RuntimeError):
+    """A client tried to send the server something other than what its method declares.
+
+    The upload check enforces the declared keys, structure and shapes: what kind of tensor a
+    method may send (so raw images, labels or per-sample tensors cannot pass). It is not a
+    privacy guarantee: it does not bound what the declared values reveal about a client's data
+    (no clipping, noise or accounting; a method with differential privacy says so itself)."""
 
 
 class LowRank(NamedTuple):
@@ -122,7 +127,7 @@ class ArraySpec(Spec):
 
     def check(self, value: Any, m: int, where: str) -> None:
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != (m, *self.shape):
-            raise PrivacyError(f"{where} must be a tensor of shape {(m, *self.shape)}, got "
+            raise UploadSpecError(f"{where} must be a tensor of shape {(m, *self.shape)}, got "
                                f"{type(value).__name__} {tuple(getattr(value, 'shape', ()))}")
 
     def __repr__(self) -> str:
@@ -140,7 +145,7 @@ class TreeSpec(Spec):
     def check(self, value: Any, m: int, where: str) -> None:
         if not isinstance(value, dict) or set(value) != set(self.shapes):
             got = sorted(value) if isinstance(value, dict) else type(value).__name__
-            raise PrivacyError(f"{where} must hold exactly the declared tensors {sorted(self.shapes)[:6]}..., got {got}")
+            raise UploadSpecError(f"{where} must hold exactly the declared tensors {sorted(self.shapes)[:6]}..., got {got}")
         for name, t in value.items():
             shape = self.shapes[name]
             if isinstance(t, LowRank):
@@ -149,18 +154,18 @@ class TreeSpec(Spec):
                 ok = (self.compressed and len(shape) >= 2 and tuple(t.u.shape) == (m, p, k)
                       and tuple(t.s.shape) == (m, k) and tuple(t.vh.shape) == (m, k, q) and tuple(t.rank.shape) == (m,))
                 if not ok:
-                    raise PrivacyError(f"{where}[{name!r}]: a low-rank leaf that does not factor a {shape} tensor")
+                    raise UploadSpecError(f"{where}[{name!r}]: a low-rank leaf that does not factor a {shape} tensor")
             elif not isinstance(t, torch.Tensor) or tuple(t.shape) != (m, *shape):
-                raise PrivacyError(f"{where}[{name!r}] has shape {tuple(getattr(t, 'shape', ()))}, expected {(m, *shape)}")
+                raise UploadSpecError(f"{where}[{name!r}] has shape {tuple(getattr(t, 'shape', ()))}, expected {(m, *shape)}")
 
     def __repr__(self) -> str:
         return f"TreeSpec({len(self.shapes)} tensors{', compressed' if self.compressed else ''})"
 
 
 def check_upload(method: str, spec: Mapping[str, Spec], uploads: Mapping[str, Any], m: int) -> None:
-    """The privacy boundary: the stacked uploads of m clients hold exactly the declared keys,
-    each with its declared structure. Raises :class:`PrivacyError` naming the method and key."""
+    """The upload check (declared keys and shapes; not a privacy guarantee): the stacked uploads of m clients hold exactly the declared keys,
+    each with its declared structure. Raises :class:`UploadSpecError` naming the method and key."""
     if set(uploads) != set(spec):
-        raise PrivacyError(f"method {method!r} uploaded keys {sorted(uploads)}, declared {sorted(spec)}")
+        raise UploadSpecError(f"method {method!r} uploaded keys {sorted(uploads)}, declared {sorted(spec)}")
     for key, s in spec.items():
         s.check(uploads[key], m, f"method {method!r}: upload {key!r}")
