@@ -87,3 +87,40 @@ def assert_trees_close(a, b, atol, rtol=0.0):
 
 
 np.set_printoptions(precision=4, suppress=True)
+
+
+def prepare_train_job(folder, *, method, seed=1, counts=(200, 20, 60), data_seed=2, num_clients=4, min_samples=10,
+                      train=None, study="tests", mlflow=True):
+    """A ready ``medpfl train`` job on a synthetic set in ``folder``: ``synth.npz`` (4 classes,
+    3x28x28; ``counts`` = train/val/test), ``arrays.npz`` + ``samples.parquet``, a Dirichlet(1.0)
+    ``partition.parquet`` over ``num_clients`` and, with ``mlflow``, a study parent
+    (``parent.json``, SQLite store ``mlruns.db``). ``train`` overrides the params' train section.
+    Returns ``(job, tracking uri or None)``."""
+    from medpfl.config import train_job, validate_params
+    from medpfl.data.partition import build_partition
+    from medpfl.data.preprocess import load_processed, preprocess
+    from medpfl.data.synthetic import write_synthetic_npz
+    from medpfl.io import md5sum, write_parquet
+
+    d = Path(folder)
+    write_synthetic_npz(d / "synth.npz", 4, 3, 28, counts, seed=data_seed)
+    preprocess(d / "synth.npz", d / "arrays.npz", d / "samples.parquet", 4, 3)
+    data = load_processed(d / "arrays.npz", d / "samples.parquet")
+    params = validate_params({
+        "study": study,
+        "data": {"datasets": ["synth"], "custom": {"synth": {"path": str(d / "synth.npz"), "md5": md5sum(d / "synth.npz"),
+                                                             "n_channels": 3, "num_classes": 4}}},
+        "partitions": [{"name": "p", "num_clients": num_clients, "alpha": 1.0, "min_samples": min_samples}],
+        "methods": [method], "seeds": [seed],
+        "train": {"participation": 1.0, "executor": "sequential", "device": "cpu", **(train or {})},
+    })
+    pool = data.samples[data.samples["split"] == "train"]
+    write_parquet(d / "partition.parquet", build_partition(pool["sample_id"].to_numpy(), pool["label"].to_numpy(),
+                                                           params.partitions["p"], "p"))
+    uri = None
+    if mlflow:
+        from medpfl.tracking import init_study
+
+        uri = f"sqlite:///{d}/mlruns.db"
+        init_study(study, study, d / "parent.json", uri=uri, artifact_root=d / "mlartifacts")
+    return train_job(params, "synth", "p", method, seed), uri

@@ -24,6 +24,21 @@ class Linear(nn.Module):
         return (z, out) if with_features else out
 
 
+def kd_hand_case() -> dict:
+    """The distillation example the KD methods' hand tests share (pFedKD-WCL, FedGKD): student
+    W = 0, b = 0, so p_s = (1/3, 1/3, 1/3) on every sample; teacher W = 0, b = (ln 2, 0, 0), so
+    p_t = (1/2, 1/4, 1/4); two samples x = (1, 2), (-1, 3) with labels 0 and 1, batch-mean
+    weights (float64). Closed forms: CE = ln 3, KL(p_t || p_s) = 1/2 ln(3/2) + 2 * 1/4 ln(3/4)
+    = 1/2 ln(9/8), p_s - p_t = (-1/6, 1/12, 1/12). Weights as nested lists ``[C][D]``."""
+    import math
+
+    return {"student": ([[0.0, 0.0]] * 3, [0.0, 0.0, 0.0]),
+            "teacher": ([[0.0, 0.0]] * 3, [math.log(2.0), 0.0, 0.0]),
+            "x": torch.tensor([[1.0, 2.0], [-1.0, 3.0]], dtype=torch.float64),
+            "y": torch.tensor([0, 1]),
+            "w": torch.tensor([0.5, 0.5], dtype=torch.float64)}
+
+
 def linear_algo(name: str, d: int, c: int, **cfg):
     """An algorithm of the registry on the linear model (meta device template)."""
     from medpfl.algorithms import resolve_method

@@ -13,14 +13,10 @@ import pytest
 import torch
 
 from medpfl.config import TrainConfig, train_job, validate_params
-from medpfl.data.partition import build_partition
-from medpfl.data.preprocess import load_processed, preprocess
-from medpfl.data.synthetic import write_synthetic_npz
 from medpfl.environment import (CUBLAS_WORKSPACE, NUMERIC_KEYS, capture, configure_determinism, cpu_model,
                                 fingerprint_id, mlflow_tags)
 from medpfl.fl.engine import fingerprint
-from medpfl.io import md5sum, write_parquet
-from medpfl.tracking import init_study
+from tests.conftest import prepare_train_job
 
 PAPER_SUMMARY = ("avg_global_acc", "avg_global_bwt", "global_consistency", "avg_local_acc", "avg_worst_client_acc",
                  "local_consistency", "balance")
@@ -118,25 +114,9 @@ def test_deterministic_in_params_and_method_overrides():
 @pytest.fixture()
 def job_dir(tmp_path):
     """Arrays, partition table, MLflow parent and a 2-round job description in tmp_path."""
-    write_synthetic_npz(tmp_path / "synth.npz", 4, 3, 28, (200, 20, 60), seed=2)
-    preprocess(tmp_path / "synth.npz", tmp_path / "arrays.npz", tmp_path / "samples.parquet", 4, 3)
-    data = load_processed(tmp_path / "arrays.npz", tmp_path / "samples.parquet")
-    params = validate_params({
-        "study": "envs",
-        "data": {"datasets": ["synth"], "custom": {"synth": {"path": str(tmp_path / "synth.npz"),
-                                                             "md5": md5sum(tmp_path / "synth.npz"),
-                                                             "n_channels": 3, "num_classes": 4}}},
-        "partitions": [{"name": "p", "num_clients": 4, "alpha": 1.0, "min_samples": 10}],
-        "methods": ["fedavg"], "seeds": [1],
-        "train": {"rounds": 2, "participation": 1.0, "local_epochs": 1, "batch_size": 16, "checkpoint_every": 1,
-                  "executor": "sequential", "device": "cpu"},
-    })
-    pool = data.samples[data.samples["split"] == "train"]
-    table = build_partition(pool["sample_id"].to_numpy(), pool["label"].to_numpy(), params.partitions["p"], "p")
-    write_parquet(tmp_path / "partition.parquet", table)
-    uri = f"sqlite:///{tmp_path}/mlruns.db"
-    init_study("envs", "envs", tmp_path / "parent.json", uri=uri, artifact_root=tmp_path / "mlartifacts")
-    return tmp_path, train_job(params, "synth", "p", "fedavg", 1), uri
+    job, uri = prepare_train_job(tmp_path, method="fedavg", study="envs",
+                                 train={"rounds": 2, "local_epochs": 1, "batch_size": 16, "checkpoint_every": 1})
+    return tmp_path, job, uri
 
 
 def _train(d: Path, job: dict, out: Path):

@@ -18,14 +18,11 @@ import pandas as pd
 import pytest
 import torch
 
-from medpfl.config import EvalConfig, TrainConfig, train_job, validate_params
-from medpfl.data.partition import build_partition
-from medpfl.data.preprocess import load_processed, preprocess
-from medpfl.data.synthetic import write_synthetic_npz
+from medpfl.config import EvalConfig, TrainConfig
 from medpfl.fl.engine import Engine, UploadSpecError, check_upload
-from medpfl.io import atomic_path, md5sum, write_parquet
+from medpfl.io import atomic_path, md5sum
 from medpfl.tracking import RunLogger, TrackingError, init_study
-from tests.conftest import SHARED_BLOOD, initial_params, make_algo
+from tests.conftest import SHARED_BLOOD, initial_params, make_algo, prepare_train_job
 
 MEDPFL = [sys.executable, "-m", "medpfl.cli"]
 
@@ -34,25 +31,9 @@ MEDPFL = [sys.executable, "-m", "medpfl.cli"]
 @pytest.fixture()
 def job_dir(tmp_path):
     """Arrays, partition table, MLflow parent and a 6-round job description in tmp_path."""
-    write_synthetic_npz(tmp_path / "synth.npz", 4, 3, 28, (600, 20, 120), seed=2)
-    preprocess(tmp_path / "synth.npz", tmp_path / "arrays.npz", tmp_path / "samples.parquet", 4, 3)
-    data = load_processed(tmp_path / "arrays.npz", tmp_path / "samples.parquet")
-    params = validate_params({
-        "study": "faults",
-        "data": {"datasets": ["synth"], "custom": {"synth": {"path": str(tmp_path / "synth.npz"),
-                                                             "md5": md5sum(tmp_path / "synth.npz"),
-                                                             "n_channels": 3, "num_classes": 4}}},
-        "partitions": [{"name": "p", "num_clients": 4, "alpha": 1.0, "min_samples": 20}],
-        "methods": ["fedkper"], "seeds": [3],
-        "train": {"rounds": 6, "participation": 1.0, "local_epochs": 2, "batch_size": 16, "checkpoint_every": 1,
-                  "executor": "sequential", "device": "cpu"},
-    })
-    pool = data.samples[data.samples["split"] == "train"]
-    table = build_partition(pool["sample_id"].to_numpy(), pool["label"].to_numpy(), params.partitions["p"], "p")
-    write_parquet(tmp_path / "partition.parquet", table)
-    uri = f"sqlite:///{tmp_path}/mlruns.db"
-    init_study("faults", "faults", tmp_path / "parent.json", uri=uri, artifact_root=tmp_path / "mlartifacts")
-    job = train_job(params, "synth", "p", "fedkper", 3)
+    job, uri = prepare_train_job(tmp_path, method="fedkper", seed=3, counts=(600, 20, 120), min_samples=20,
+                                 study="faults", train={"rounds": 6, "local_epochs": 2, "batch_size": 16,
+                                                        "checkpoint_every": 1})
     return tmp_path, job, uri
 
 

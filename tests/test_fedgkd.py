@@ -17,6 +17,7 @@ from medpfl.fl.functional import make_forward
 from medpfl.fl.payload import payload_nbytes
 from medpfl.fl.program import RoundInfo
 from tests.conftest import assert_trees_close, make_algo
+from tests.linear_model import kd_hand_case
 
 RND = RoundInfo(round=0, rounds=1, lr=0.01, num_clients=4, seed=1, base_lr=0.01)
 D, C = 2, 3  # the tiny linear model: 2 inputs, 3 classes
@@ -53,16 +54,11 @@ def test_defaults_and_fedavg_knob():
 
 @pytest.mark.parametrize("alpha", [0.001, 0.5])
 def test_loss_and_gradient_closed_form_uniform_student_at_t1(alpha):
-    # student W = 0, b = 0: p_s = (1/3, 1/3, 1/3) on every sample; teacher W = 0,
-    # b = (ln 2, 0, 0): p_t = (1/2, 1/4, 1/4). Two samples, labels 0 and 1, batch mean.
-    # CE = ln 3; KL(p_t || p_s) = 1/2 ln(3/2) + 2 * 1/4 ln(3/4) = 1/2 ln(9/8).
+    # student uniform (p_s = 1/3 each), teacher p_t = (1/2, 1/4, 1/4), two samples, labels 0
+    # and 1 (kd_hand_case): CE = ln 3; KL(p_t || p_s) = 1/2 ln(9/8).
     algo = linear_algo(kl_weight=alpha)
-    student = lin([[0.0, 0.0]] * 3, [0.0, 0.0, 0.0])
-    teacher = lin([[0.0, 0.0]] * 3, [math.log(2.0), 0.0, 0.0])
-    x = torch.tensor([[1.0, 2.0], [-1.0, 3.0]], dtype=torch.float64)
-    y = torch.tensor([0, 1])
-    w = torch.tensor([0.5, 0.5], dtype=torch.float64)
-    loss, gw, gb = loss_and_grad(algo, student, teacher, x, y, w)
+    case = kd_hand_case()
+    loss, gw, gb = loss_and_grad(algo, lin(*case["student"]), lin(*case["teacher"]), case["x"], case["y"], case["w"])
     assert loss == pytest.approx(math.log(3.0) + alpha / 2 * 0.5 * math.log(9.0 / 8.0), rel=1e-12)
     # d loss / d logits_i = w_i [(p_s - e_y) + alpha/2 (p_s - p_t)]
     kd = np.array([1 / 3 - 1 / 2, 1 / 3 - 1 / 4, 1 / 3 - 1 / 4])  # p_s - p_t

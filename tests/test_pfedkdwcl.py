@@ -23,7 +23,7 @@ from medpfl.fl.sampling import seeded_cpu_rng
 from medpfl.fl.stacked import StackedExecutor
 from medpfl.fl.tree import tree_index, tree_leaves
 from tests.conftest import assert_trees_close, make_algo
-from tests.linear_model import linear_algo, random_params
+from tests.linear_model import kd_hand_case, linear_algo, random_params
 
 RND = RoundInfo(round=0, rounds=1, lr=0.01, num_clients=4, seed=1, base_lr=0.01, batch_size=20)
 D, C = 2, 3  # the tiny linear model: logits = x W^T + b
@@ -69,16 +69,12 @@ def test_defaults_capabilities_and_no_fedavg_reduction():
 # ----- the client objective, Eq. (3) ----------------------------------------------------------
 @pytest.mark.parametrize("gamma", [0.1, 0.7])
 def test_client_loss_and_gradient_closed_form(gamma):
-    # theta: W = 0, b = 0, so p_theta = (1/3, 1/3, 1/3) on every sample; teacher: W = 0,
-    # b = (ln 2, 0, 0), so p_w = (1/2, 1/4, 1/4). Two samples, labels 0 and 1, batch mean.
-    # CE = ln 3; KL(p_w || p_theta) = 1/2 ln(3/2) + 2 * 1/4 ln(3/4) = 1/2 ln(9/8).
+    # theta uniform (p_theta = 1/3 each), teacher p_w = (1/2, 1/4, 1/4), two samples, labels 0
+    # and 1 (kd_hand_case): CE = ln 3; KL(p_w || p_theta) = 1/2 ln(9/8).
     algo = linear_algo("pfedkdwcl", D, C, gamma=gamma)
-    theta = lin([[0.0, 0.0]] * 3, [0.0, 0.0, 0.0])
-    teacher = lin([[0.0, 0.0]] * 3, [math.log(2.0), 0.0, 0.0])
-    x = torch.tensor([[1.0, 2.0], [-1.0, 3.0]], dtype=torch.float64)
-    y = torch.tensor([0, 1])
-    w = torch.tensor([0.5, 0.5], dtype=torch.float64)
-    loss, gw, gb = client_loss_and_grad(algo, theta, teacher, x, y, w)
+    case = kd_hand_case()
+    loss, gw, gb = client_loss_and_grad(algo, lin(*case["student"]), lin(*case["teacher"]), case["x"], case["y"],
+                                        case["w"])
     assert loss == pytest.approx((1 - gamma) * math.log(3.0) + gamma * 0.5 * math.log(9.0 / 8.0), rel=1e-12)
     # d loss / d logits_i = 1/2 [(1 - gamma)(p_theta - e_{y_i}) + gamma (p_theta - p_w)]
     kd = np.array([1 / 3 - 1 / 2, 1 / 3 - 1 / 4, 1 / 3 - 1 / 4])

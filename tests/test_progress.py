@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from medpfl.progress import RoundProgress, round_text, use_bar
+from tests.conftest import prepare_train_job
 
 LOG = logging.getLogger("medpfl.train")
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -86,27 +87,10 @@ def test_round_text_matches_the_log_line():
 # ----- the command, in a pseudo-terminal and with stderr to a file ----------------------------
 @pytest.fixture(scope="module")
 def tiny_job(tmp_path_factory):
-    from medpfl.config import train_job, validate_params
-    from medpfl.data.partition import build_partition
-    from medpfl.data.preprocess import load_processed, preprocess
-    from medpfl.data.synthetic import write_synthetic_npz
-    from medpfl.io import md5sum, write_parquet
-
     d = tmp_path_factory.mktemp("progress")
-    write_synthetic_npz(d / "synth.npz", 4, 3, 28, (120, 12, 40), seed=3)
-    preprocess(d / "synth.npz", d / "arrays.npz", d / "samples.parquet", 4, 3)
-    data = load_processed(d / "arrays.npz", d / "samples.parquet")
-    params = validate_params({
-        "data": {"datasets": ["synth"], "custom": {"synth": {"path": str(d / "synth.npz"), "md5": md5sum(d / "synth.npz"),
-                                                             "n_channels": 3, "num_classes": 4}}},
-        "partitions": [{"name": "p", "num_clients": 3, "alpha": 1.0, "min_samples": 10}],
-        "methods": ["fedavg"],
-        "train": {"rounds": 2, "participation": 1.0, "local_epochs": 1, "batch_size": 32, "executor": "sequential",
-                  "device": "cpu"}})
-    pool = data.samples[data.samples["split"] == "train"]
-    write_parquet(d / "partition.parquet", build_partition(pool["sample_id"].to_numpy(), pool["label"].to_numpy(),
-                                                           params.partitions["p"], "p"))
-    (d / "job.json").write_text(json.dumps(train_job(params, "synth", "p", "fedavg", 1)))
+    job, _ = prepare_train_job(d, method="fedavg", counts=(120, 12, 40), data_seed=3, num_clients=3, mlflow=False,
+                               train={"rounds": 2, "local_epochs": 1, "batch_size": 32})
+    (d / "job.json").write_text(json.dumps(job))
     return d
 
 
