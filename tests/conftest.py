@@ -62,11 +62,11 @@ def make_algo(name, num_classes=4, model="cnn4", model_args=None, in_channels=3,
     """Method ``name`` (with config ``overrides``) on a meta-device template of ``model``; the
     defaults fit ``fed_data`` (3x28x28 images); ``image_size=None``: vectors of ``in_channels``."""
     from medpfl.algorithms import resolve_method
-    from medpfl.fl.functional import make_forward
+    from medpfl.fl.functional import make_forward, template_on
     from medpfl.models import build_model
 
     cls, cfg = resolve_method(name, {name: overrides} if overrides else {})
-    module = build_model(model, in_channels, num_classes, image_size, model_args).to("meta")
+    module = template_on(build_model(model, in_channels, num_classes, image_size, model_args), "cpu")
     return cls(cfg, make_forward(module), num_classes)
 
 

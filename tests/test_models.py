@@ -15,7 +15,7 @@ from medpfl.algorithms import REGISTRY
 from medpfl.config import EvalConfig, ParamsError, TrainConfig, train_job, validate_params
 from medpfl.fl.data import FederatedData
 from medpfl.fl.engine import Engine
-from medpfl.fl.functional import make_forward, model_state
+from medpfl.fl.functional import make_forward, model_state, template_on
 from medpfl.models import MODEL_NAMES, ZOO, build_model, resolve_model_args
 from tests.conftest import assert_trees_close, make_algo
 
@@ -40,7 +40,7 @@ def test_every_model_meets_the_contract_on_images(name):
     """forward(x, mask=None, with_features=False): logits [B, C]; (z, logits) with features; the
     head applied to z gives the logits; head_name names the classifier; parts cover the state."""
     torch.manual_seed(0)
-    m = build_model(name, 3, 4, 28)
+    m = build_model(name, 3, 4, 28, ZOO[name].tiny_args)
     x = torch.randn(5, 3, 28, 28)
     m.train(False)
     logits = m(x)
@@ -315,7 +315,7 @@ def _runs_or_names_the_missing_part(data, method: str, model: str, model_args=No
     """The method runs on the model when the model has every part it needs (on both executors
     alike where it is stackable, with ``check_stacked``); else it stops at once with an error that
     names ``train.model`` and the missing part."""
-    parts = make_forward(build_model(model, 3, 4, 28, model_args).to("meta")).parts
+    parts = make_forward(template_on(build_model(model, 3, 4, 28, model_args), "cpu")).parts
     missing = [p for p in required_parts(method) if not parts.get(p)]
     try:
         seq = _run(data, method, "sequential", model, model_args, rounds=1)

@@ -191,9 +191,32 @@ def test_plain_table(runs: list[Path], tmp_path: Path) -> None:
     s = [_summary("fedavg", seed) for seed in (1, 2)]
     assert cells[:2] == ["2", str(ROUNDS)]
     assert cells[2] == _ci([x["final_global_acc"] for x in s])
-    assert cells[8] == _ci([x["mb_per_round"] for x in s], nd=2)
-    assert cells[8] == "2.25 ± 9.53"  # 1.5 / 3.0: sem 0.75 x t(0.975, 1) 12.706
+    mb = rows["Strategy"].index("MB per round")
+    assert cells[mb] == _ci([x["mb_per_round"] for x in s], nd=2)
+    assert cells[mb] == "2.25 ± 9.53"  # 1.5 / 3.0: sem 0.75 x t(0.975, 1) 12.706
     assert rows["local"][2] == "—"
+    # the FHBench-protocol column is shown because these runs have a value for it
+    assert "Test acc at best-val round (FHBench protocol)" in rows["Strategy"]
+
+
+def test_cost_table_and_conditional_columns(runs: list[Path], tmp_path: Path) -> None:
+    """The cost table gives the parameter counts, MB up/down and the ratio to the reference;
+    the best-val column disappears from the plain table when no run has validation splits."""
+    md = build_report(runs, tmp_path / "report")["table_md"].read_text(encoding="utf-8")
+    cost = _rows(md, "Cost: parameters")
+    head = cost["Strategy"]
+    s1, s2 = _summary("fedkper", 1), _summary("fedkper", 2)
+    ratio = ((s1["mb_per_round"] + s2["mb_per_round"]) / 2) / ((1.5 + 3.0) / 2)
+    assert cost["fedkper"][head.index("MB per round vs fedavg")] == f"{ratio:.3f}"
+    assert cost["fedavg"][head.index("MB per round vs fedavg")] == "1.000"
+    up = (s1["mb_up_per_round"] + s2["mb_up_per_round"]) / 2
+    assert cost["fedkper"][head.index("MB up per round")] == f"{up:.3f}"
+    for run in runs:  # no validation splits anywhere: the column goes
+        m = json.loads((run / "metrics.json").read_text())
+        m["summary"]["best_val_client_acc"] = None
+        (run / "metrics.json").write_text(json.dumps(m))
+    md2 = build_report(runs, tmp_path / "report2")["table_md"].read_text(encoding="utf-8")
+    assert "FHBench protocol" not in "".join(_rows(md2, "Plain summary")["Strategy"])
 
 
 def test_summary_csv_and_json(runs: list[Path], tmp_path: Path) -> None:

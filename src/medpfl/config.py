@@ -10,6 +10,7 @@ Errors: :class:`ParamsError` (a ``ValueError``) whose message names the file and
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -182,7 +183,32 @@ class OptimizerConfig(_Strict):
     lr: float = Field(0.01, gt=0.0)
     momentum: float = Field(0.9, ge=0.0, lt=1.0)
     weight_decay: float = Field(1e-5, ge=0.0)
-    lr_decay: float = Field(0.99, gt=0.0, le=1.0, description="lr multiplier per round (StepLR(1, gamma))")
+    lr_decay: float = Field(0.99, gt=0.0, le=1.0, description="lr multiplier per round (StepLR(1, gamma)); "
+                                                             "schedule: exponential only")
+    schedule: Literal["exponential", "cosine"] = Field(
+        "exponential", description="per-round lr: exponential = lr * lr_decay**r; cosine = CosineAnnealingLR(T_max, "
+                                   "eta_min) stepped once per round (FHBench code: T_max = rounds = 200, eta_min 1e-6)")
+    min_lr: float = Field(1e-6, ge=0.0, description="cosine: eta_min (FHBench code: 1e-6)")
+    t_max: int | None = Field(None, ge=1, description="cosine: T_max in rounds (null: train.rounds)")
+
+    def round_lr(self, r: int, rounds: int) -> float:
+        """The learning rate of round ``r`` (0-based) of ``rounds``: ``lr * lr_decay**r``, or with
+        ``schedule: cosine`` ``min_lr + (lr - min_lr) * (1 + cos(pi * r / T_max)) / 2`` (PyTorch
+        ``CosineAnnealingLR`` after r steps, closed form; r beyond T_max follows the cosine on)."""
+        if self.schedule == "cosine":
+            t = self.t_max or rounds
+            return self.min_lr + (self.lr - self.min_lr) * (1 + math.cos(math.pi * r / t)) / 2
+        return self.lr * self.lr_decay**r
+
+    @model_serializer(mode="wrap")
+    def _drop_later_defaults(self, handler):
+        """The schedule keys (added after runs existed) are not dumped at their defaults, so the
+        job descriptions of exponential-decay runs stay as they were."""
+        out = handler(self)
+        if isinstance(out, dict) and out.get("schedule") == "exponential":
+            for k in ("schedule", "min_lr", "t_max"):
+                out.pop(k, None)
+        return out
 
 
 class SamplingConfig(_Strict):

@@ -82,6 +82,9 @@ def evaluate_run(run_dir: Path) -> dict:
     # what the method has is what it recorded (capabilities may depend on its config)
     per, summary = summarize_run(records, rounds, job["num_clients"], "global_test" in views,
                                  "personalized_on_local" in views)
+    size = job.get("model_size") or {}  # written by training (absent in runs made before it was)
+    summary["trainable_params"] = size.get("trainable")
+    summary["frozen_params"] = size.get("frozen")
     clients = client_table(records, job["num_clients"])
     write_text(run_dir / "round_metrics.csv", per.to_csv(index=False))
     write_text(run_dir / "client_accuracy.csv", clients.to_csv(index=False))

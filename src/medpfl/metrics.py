@@ -106,6 +106,26 @@ def _nanstat(fn, x) -> float:
     return float(fn(x)) if len(x) else float("nan")
 
 
+def best_val_summary(records: pd.DataFrame) -> dict[str, float]:
+    """The FHBench protocol (spec B.2.4, B.7): per client, the test accuracy of the model it had
+    right after local training at the evaluation round where that model's validation accuracy
+    was highest (the first such round: the code's strict ``>``), then the unweighted mean over
+    clients (``best_val_client_acc``) and the worst client (``best_val_client_acc_worst``).
+
+    Uses the ``local_after_training`` records of the rounds that also have
+    ``local_after_training_val`` records (the evaluation rounds); NaN when the partition has no
+    validation splits. An optimistic, max-over-time selection: reported beside, never instead
+    of, the final-round metrics.
+    """
+    val = records[records["view"] == "local_after_training_val"]
+    if not len(val):
+        return {"best_val_client_acc": float("nan"), "best_val_client_acc_worst": float("nan")}
+    test = records[records["view"] == "local_after_training"].set_index(["client_id", "round"])["accuracy"]
+    best = val.sort_values(["client_id", "round"]).loc[lambda d: d.groupby("client_id")["accuracy"].idxmax()]
+    accs = test.reindex(list(zip(best["client_id"], best["round"]))).to_numpy(dtype=float)
+    return {"best_val_client_acc": _nanstat(np.mean, accs), "best_val_client_acc_worst": _nanstat(np.min, accs)}
+
+
 def summarize_run(records: pd.DataFrame, rounds: pd.DataFrame, num_clients: int, has_global_model: bool,
                   personalized: bool) -> tuple[pd.DataFrame, dict]:
     """Per-round metrics and the run summary from a training job's tables.
@@ -222,6 +242,11 @@ def summarize_run(records: pd.DataFrame, rounds: pd.DataFrame, num_clients: int,
     s["bytes_up_total"] = int(rounds["bytes_up"].sum())
     s["bytes_down_total"] = int(rounds["bytes_down"].sum())
     s["mb_per_round"] = float((rounds["bytes_up"] + rounds["bytes_down"]).mean() / 1e6)
+    s["mb_up_per_round"] = float(rounds["bytes_up"].mean() / 1e6)
+    s["mb_down_per_round"] = float(rounds["bytes_down"].mean() / 1e6)
+    s["peak_memory_mb"] = (float(rounds["peak_memory_bytes"].max() / 1e6) if "peak_memory_bytes" in rounds
+                           and rounds["peak_memory_bytes"].notna().any() else float("nan"))
+    s.update(best_val_summary(records))
     s["seconds_per_round"] = float(rounds["round_seconds"].mean())
     s["train_seconds_per_round"] = float(rounds["train_seconds"].mean())
     s["eval_seconds_per_round"] = float(rounds["eval_seconds"].mean())

@@ -24,10 +24,11 @@ from medpfl.data.schemas import SharedPartitionTable, validate
 from medpfl.environment import capture, configure_determinism, mlflow_tags
 from medpfl.fl.data import FederatedData
 from medpfl.fl.engine import Engine, fingerprint, resolve_device
-from medpfl.fl.functional import make_forward
+from medpfl.fl.functional import make_forward, template_on
 from medpfl.fl.tree import tree_map
 from medpfl.io import atomic_path, md5sum, read_json, read_parquet, write_json, write_parquet
 from medpfl.models import build_model
+from medpfl.models.vit import parameter_counts
 from medpfl.progress import RoundProgress
 
 log = logging.getLogger(__name__)
@@ -75,10 +76,12 @@ def _earlier_environments(job_file: Path, env: dict) -> list[dict]:
     return out
 
 
-def _write_job(out_dir: Path, job: dict, env: dict, earlier: list[dict]) -> None:
-    """``job.json``: the job description as given, plus the environment (an output: not part of
-    the description, so it changes neither the params nor the checkpoint fingerprint)."""
-    write_json(out_dir / "job.json", {**job, "environment": env, **({"earlier_environments": earlier} if earlier else {})})
+def _write_job(out_dir: Path, job: dict, env: dict, earlier: list[dict], model_size: dict | None = None) -> None:
+    """``job.json``: the job description as given, plus the environment and the model's parameter
+    counts (``model_size``: trainable, frozen, total elements; outputs, not part of the
+    description, so they change neither the params nor the checkpoint fingerprint)."""
+    write_json(out_dir / "job.json", {**job, "environment": env, **({"model_size": model_size} if model_size else {}),
+                                      **({"earlier_environments": earlier} if earlier else {})})
 
 
 def run_training(job: dict, arrays: Path, samples: Path, partition_table: Path, out_dir: Path,
@@ -96,8 +99,6 @@ def run_training(job: dict, arrays: Path, samples: Path, partition_table: Path, 
     if earlier:
         log.warning("resuming in another environment (%s) than before (%s): the run mixes both", env["id"],
                     ", ".join(e.get("id", "?") for e in earlier))
-    _write_job(out_dir, job, env, earlier)
-
     data = load_processed(arrays, samples)
     # SharedPartitionTable: clients may share samples (per_client_dirichlet); disjoint schemes are
     # checked for disjointness when the partition stage builds them
@@ -107,8 +108,10 @@ def run_training(job: dict, arrays: Path, samples: Path, partition_table: Path, 
         raise PartitionError(f"{partition_table}: holds {k} clients, partitions.{job['partition']}.num_clients says "
                              f"{job['num_clients']} (re-run the partition stage)")
     fdata = FederatedData.build(data, table, device)
-    template = build_model(train.model, fdata.in_channels, fdata.num_classes, fdata.image_size,
-                           train.model_args).to("meta")
+    template = build_model(train.model, fdata.in_channels, fdata.num_classes, fdata.image_size, train.model_args)
+    counts = parameter_counts(template)
+    template = template_on(template, device)  # a frozen backbone stays real: one shared copy on the device
+    _write_job(out_dir, job, env, earlier, counts)
     algo = algo_cls(mcfg, make_forward(template), fdata.num_classes)
 
     logger = None
@@ -147,7 +150,7 @@ def run_training(job: dict, arrays: Path, samples: Path, partition_table: Path, 
         raise
     if earlier and not result.resumed_from:  # the checkpoint was not used: one environment after all
         earlier = []
-        _write_job(out_dir, job, env, earlier)
+        _write_job(out_dir, job, env, earlier, counts)
         if logger is not None:
             logger.set_tags({"env.earlier_ids": ""})
     write_parquet(out_dir / "records.parquet", result.records)

@@ -17,7 +17,8 @@ from pandera.typing import Series  # noqa: E402
 
 SPLITS = ["train", "val", "test"]
 LOCAL_SPLITS = ["train", "test"]
-VIEWS = ["global_test", "global_on_local", "local_after_training", "personalized_on_local", "local_on_global_test"]
+VIEWS = ["global_test", "global_on_local", "local_after_training", "personalized_on_local", "local_on_global_test",
+         "local_after_training_val", "global_on_val", "personalized_on_val"]
 
 
 class TableError(ValueError):
@@ -84,7 +85,9 @@ class EvalRecords(pa.DataFrameModel):
     ``local_after_training`` (the model of a client that trained this round, right after local training, its local
     test split), ``personalized_on_local`` (each client's personalized model, its local test
     split), ``local_on_global_test`` (a client's own model on the global test set; Local only,
-    final round).
+    final round). With validation splits in the partition, on evaluation rounds:
+    ``local_after_training_val`` (the ``local_after_training`` models on the clients' validation
+    splits: the FHBench protocol's model selection), ``global_on_val`` and ``personalized_on_val``.
     """
 
     round: Series[int] = pa.Field(ge=0)
@@ -118,6 +121,9 @@ class RoundLog(pa.DataFrameModel):
     train_seconds: Series[float] = pa.Field(ge=0.0)
     eval_seconds: Series[float] = pa.Field(ge=0.0)
     round_seconds: Series[float] = pa.Field(ge=0.0)
+    #: the process's peak memory up to this round (CUDA: allocated tensors; CPU: RSS); absent in
+    #: runs made before it was recorded
+    peak_memory_bytes: Optional[Series[int]] = pa.Field(ge=0)
 
     class Config:
         strict = True

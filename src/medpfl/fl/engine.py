@@ -5,7 +5,8 @@ timing, communication accounting and checkpoints; the algorithm only declares it
 Round r:
   1. the pre-sampled clients S_r (shared by every method) receive ``algo.download(server, S_r)``
      (or every client the method trains, ``algo.training_clients``; only S_r is aggregated);
-  2. the executor runs their local programs (lr = lr0 * lr_decay^r, fresh momentum each phase)
+  2. the executor runs their local programs (lr = lr0 * lr_decay^r or the cosine schedule, fresh
+     momentum each phase)
      and returns the models to score, the uploads and the new persistent client states;
   3. each client's model is scored on its local test split (``local_after_training``);
   4. the uploads are checked against the method's declared ``upload_spec`` (the privacy
@@ -143,6 +144,7 @@ class Engine:
     fingerprint: str = ""
 
     def __post_init__(self):
+        self._has_val = any(len(v) for v in (getattr(self.data, "client_val", None) or []))
         self.executor = make_executor(self.executor_kind, self.algo, self.data, self.train, self.seed, self.eval.batch_size)
         self.schedule = client_schedule(self.data.num_clients, self.train.participation, self.train.rounds,
                                         self.train.sampling.scheme,
@@ -208,6 +210,9 @@ class Engine:
             t1 = time.perf_counter()
             new_records = records_from_counts(r, "local_after_training", trainers.tolist(),
                                               *ex.evaluate_models(algo, models, [data.client_test[c] for c in trainers]))
+            if self._has_val and self._is_eval_round(r):  # model selection (FHBench protocol): same models, val splits
+                new_records += records_from_counts(r, "local_after_training_val", trainers.tolist(),
+                                                   *ex.evaluate_models(algo, models, [data.client_val[c] for c in trainers]))
             client_states = tree_scatter(client_states, tidx, new_states)
             if agg_pos is not None:  # only the sampled clients send (and are aggregated)
                 uploads = tree_index(uploads, torch.as_tensor(agg_pos, device=data.device))
@@ -229,6 +234,7 @@ class Engine:
                 "train_seconds": t1 - t0,
                 "eval_seconds": t2 - t1,
                 "round_seconds": t2 - t0,
+                "peak_memory_bytes": peak_memory_bytes(data.device),
             }
             records += new_records
             rounds.append(row)
@@ -244,9 +250,10 @@ class Engine:
                          client_states, personal, resumed_from=start if state else 0)
 
     def round_info(self, r: int) -> RoundInfo:
-        """What every hook may read about round ``r`` (lr = lr0 * lr_decay^r)."""
+        """What every hook may read about round ``r`` (lr: ``train.optimizer.round_lr``)."""
         opt = self.train.optimizer
-        return RoundInfo(round=r, rounds=self.train.rounds, lr=opt.lr * opt.lr_decay**r, num_clients=self.data.num_clients,
+        return RoundInfo(round=r, rounds=self.train.rounds, lr=opt.round_lr(r, self.train.rounds),
+                         num_clients=self.data.num_clients,
                          seed=self.seed, base_lr=opt.lr, batch_size=self.train.batch_size)
 
     def _training_clients(self, sampled: np.ndarray, rnd: RoundInfo) -> tuple[np.ndarray, np.ndarray | None]:
@@ -288,10 +295,16 @@ class Engine:
                                            *eval_groups(algo.predict, gm, data, [data.global_test], bs))
             out += records_from_counts(r, "global_on_local", list(range(k)),
                                        *eval_groups(algo.predict, gm, data, data.client_test, bs))
+            if self._has_val:
+                out += records_from_counts(r, "global_on_val", list(range(k)),
+                                           *eval_groups(algo.predict, gm, data, data.client_val, bs))
         if algo.personalized:
             pm = self._adapted(self.executor.personalized_models(algo, client_states, server), r)
             out += records_from_counts(r, "personalized_on_local", list(range(k)),
                                        *self.executor.evaluate_models(algo, pm, data.client_test))
+            if self._has_val:
+                out += records_from_counts(r, "personalized_on_val", list(range(k)),
+                                           *self.executor.evaluate_models(algo, pm, data.client_val))
             if r == self.train.rounds - 1 and not algo.has_global_model and has_global_test:
                 out += records_from_counts(r, "local_on_global_test", list(range(k)),
                                            *self.executor.evaluate_models(algo, pm, [data.global_test] * k))
@@ -319,6 +332,20 @@ class Engine:
                         self.checkpoint)
             return None
         return (blob["server"], blob["client_states"], blob["records"], blob["rounds"], int(blob["next_round"]))
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """The process's peak memory so far, in bytes: on CUDA the peak memory allocated by tensors
+    on ``device`` (``torch.cuda.max_memory_allocated``); on a CPU the peak resident set size of
+    the process (``getrusage`` ``ru_maxrss``, KiB on Linux; bytes on macOS), which includes the
+    interpreter and libraries."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+    import sys
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
 def fingerprint(job: dict) -> str:

@@ -18,7 +18,13 @@ Params = dict[str, torch.Tensor]
 
 class FunctionalModel:
     """``forward(state, x, train=False, mask=None) -> logits`` over a template module whose own
-    weights are ignored (build it on the "meta" device).
+    trainable weights are ignored (build it on the "meta" device).
+
+    Frozen parameters (``requires_grad=False`` in the template: a pretrained backbone under
+    LoRA adapters) are not part of any state: the template's own tensors are kept, once, in
+    ``frozen`` and given to every call, so all clients share one copy (never stacked, copied or
+    uploaded; under ``vmap`` they enter unbatched). A template with frozen parameters must
+    therefore hold real weights on the training device (ValueError on "meta").
 
     ``state`` holds the module's parameters and buffers (BatchNorm running statistics) by
     name; in training mode BatchNorm updates the buffers of ``state`` in place, so each
@@ -39,9 +45,14 @@ class FunctionalModel:
 
     def __init__(self, module: torch.nn.Module):
         self.module = module
-        self.trainable = tuple(name for name, _ in module.named_parameters())
+        params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.frozen: Params = {n: p.detach() for n, p in module.named_parameters() if not p.requires_grad}
+        if any(t.is_meta for t in self.frozen.values()):
+            raise ValueError(f"model {getattr(module, 'zoo_name', type(module).__name__)}: its frozen parameters need "
+                             "real weights; build the template on the training device, not on 'meta'")
+        self.trainable = tuple(name for name, _ in params)
         self.buffers = tuple(name for name, _ in module.named_buffers())
-        self.shapes = {n: tuple(t.shape) for n, t in [*module.named_parameters(), *module.named_buffers()]}
+        self.shapes = {n: tuple(t.shape) for n, t in [*params, *module.named_buffers()]}
         self.head_name = getattr(module, "head_name", None)
         self.model_name = getattr(module, "zoo_name", type(module).__name__)
         names = tuple(self.shapes)
@@ -61,16 +72,19 @@ class FunctionalModel:
             kw["mask"] = mask
         return kw
 
+    def _with_frozen(self, state: Params) -> Params:
+        return {**self.frozen, **state} if self.frozen else state
+
     def __call__(self, state: Params, x: torch.Tensor, train: bool = False,
                  mask: torch.Tensor | None = None) -> torch.Tensor:
         self.module.train(train)
-        return functional_call(self.module, state, (x,), self._kwargs(mask, False))
+        return functional_call(self.module, self._with_frozen(state), (x,), self._kwargs(mask, False))
 
     def features_logits(self, state: Params, x: torch.Tensor, train: bool = False,
                         mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(features float [B, d], logits float [B, C])`` of one forward pass."""
         self.module.train(train)
-        return functional_call(self.module, state, (x,), self._kwargs(mask, True))
+        return functional_call(self.module, self._with_frozen(state), (x,), self._kwargs(mask, True))
 
     def head(self, state: Params, z: torch.Tensor) -> torch.Tensor:
         """The classifier of ``state`` (its ``head`` part) on features ``z`` float [B, d]."""
@@ -101,14 +115,23 @@ class FunctionalModel:
         return {k: self.shapes[k] for k in names}
 
 
+def template_on(module: torch.nn.Module, device: torch.device | str) -> torch.nn.Module:
+    """The module as the template of :class:`FunctionalModel`: moved to ``device`` when it has frozen
+    parameters (they are used, one shared copy), else to "meta" (its weights are never used)."""
+    frozen = any(not p.requires_grad for p in module.parameters())
+    return module.to(device if frozen else "meta")
+
+
 def make_forward(module: torch.nn.Module) -> FunctionalModel:
     """The functional form of ``module`` (see :class:`FunctionalModel`)."""
     return FunctionalModel(module)
 
 
 def model_state(module: torch.nn.Module) -> Params:
-    """Detached copies of a module's parameters and buffers, by name (the engine's model state)."""
-    out = {k: v.detach().clone() for k, v in module.named_parameters()}
+    """Detached copies of a module's trainable parameters and its buffers, by name (the engine's
+    model state). Frozen parameters (``requires_grad=False``) are not state: see
+    :class:`FunctionalModel`."""
+    out = {k: v.detach().clone() for k, v in module.named_parameters() if v.requires_grad}
     out.update({k: v.detach().clone() for k, v in module.named_buffers()})
     return out
 

@@ -25,14 +25,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from torch import nn
 
 from medpfl.models.cnn import CNN4
 from medpfl.models.linear import MLP, MLR
 from medpfl.models.simplecnn import SimpleCNN, simplecnn_side
+from medpfl.models.vit import ViTClassifier
 
 
 class ModelArgs(BaseModel):
@@ -59,6 +60,70 @@ class SimpleCNNArgs(ModelArgs):
 
     batch_norm: bool = Field(False, description="BatchNorm after each convolution (conv-BN-ReLU-pool; PFPS-LWC "
                                                 "spec B.1 option use_bn)")
+
+
+class ViTArgs(ModelArgs):
+    """``vit``: a ViT from ``transformers`` with a new linear head, every weight trained (full
+    fine-tuning). Defaults: the FHBench paper's ViT-B/16 at 224 px ([P]; the code's timm
+    ``vit_base_patch16_224``; ``google/vit-base-patch16-224`` is its ``transformers``
+    checkpoint). ``checkpoint: null`` builds a randomly initialised ViT from ``config`` (the tiny
+    ViT of the tests and CPU runs)."""
+
+    checkpoint: str | None = Field("google/vit-base-patch16-224",
+                                   description="Hugging Face hub id of the pretrained ViT (null: random init from "
+                                               "config)")
+    config: dict[str, Any] = Field(default_factory=dict,
+                                   description="ViTConfig overrides for checkpoint: null (hidden_size, "
+                                               "num_hidden_layers, num_attention_heads, intermediate_size, "
+                                               "patch_size); image_size and num_channels come from the data")
+    cache_dir: str | None = Field(None, description="Hugging Face cache folder (null: HF_HOME or ~/.cache/huggingface)")
+    backbone_seed: int = Field(0, ge=0, description="seed of a randomly initialised backbone (checkpoint: null): the "
+                                                    "same backbone in every run seed")
+    attn_implementation: Literal["eager", "sdpa"] = Field(
+        "eager", description="transformers attention kernel (eager runs under torch.func.vmap everywhere)")
+
+    @model_validator(mode="after")
+    def _config_only_without_checkpoint(self) -> "ViTArgs":
+        if self.checkpoint is not None and self.config:
+            raise ValueError("config applies to a randomly initialised ViT (checkpoint: null); a pretrained "
+                             "checkpoint brings its own")
+        return self
+
+
+class ViTLoRAArgs(ViTArgs):
+    """``vit_lora``: ``vit`` with the backbone frozen and LoRA adapters from ``peft`` on the
+    query and value projections of every block (FHBench spec B.2.1-B.2.2: rank 8 [P], alpha 16
+    [C] (scale 2), no dropout for ViT [C])."""
+
+    rank: int = Field(8, ge=1, description="LoRA rank r (FHBench: 8, fixed)")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha; the update is scaled by alpha / rank (FHBench code: 16)")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout (FHBench code: none for ViT)")
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"],
+                                      description="adapted projections (transformers 5 names: q_proj, v_proj = "
+                                                  "query, value)")
+
+
+#: a tiny randomly initialised ViT (2 blocks, width 32, 7-px patches: 28-px images; ~22k backbone
+#: parameters) that builds offline: the tests' and CPU runs' stand-in for ViT-B/16
+TINY_VIT: dict[str, Any] = {"checkpoint": None, "config": {"hidden_size": 32, "num_hidden_layers": 2,
+                                                           "num_attention_heads": 2, "intermediate_size": 64,
+                                                           "patch_size": 7}}
+
+
+def _vit(lora: bool) -> Callable[[tuple[int, ...], int, ModelArgs], nn.Module]:
+    def build(shape: tuple[int, ...], num_classes: int, args: ViTArgs) -> nn.Module:
+        name = "vit_lora" if lora else "vit"
+        if len(shape) != 3:
+            raise ValueError(f"train.model={name} needs image samples [C, H, W]; this data set's samples have shape "
+                             f"{list(shape)} (vector data: use mlr or mlp)")
+        if shape[1] != shape[2]:
+            raise ValueError(f"train.model={name} needs square images, got {shape[1]}x{shape[2]}")
+        adapters = ({"rank": args.rank, "alpha": args.alpha, "dropout": args.dropout,
+                     "target_modules": list(args.target_modules)} if lora else None)
+        return ViTClassifier(shape[0], num_classes, shape[1], args.checkpoint, dict(args.config), args.cache_dir,
+                             args.backbone_seed, adapters, args.attn_implementation)
+
+    return build
 
 
 def _image_shape(name: str, shape: tuple[int, ...]) -> tuple[int, int, int]:
@@ -104,6 +169,8 @@ class ZooEntry:
     Args: type[ModelArgs] = NoArgs
     #: input the model takes: "image" ([C, H, W] samples only) or "any" (flattened)
     input: str = "image"
+    #: arguments of a small stand-in that builds offline (no download) for tests and CPU runs
+    tiny_args: Mapping[str, Any] | None = None
 
 
 ZOO: dict[str, ZooEntry] = {
@@ -112,6 +179,12 @@ ZOO: dict[str, ZooEntry] = {
     "cnn4bn": ZooEntry(_cnn4(True), "cnn4 with BatchNorm after each convolution (masked statistics)"),
     "simplecnn": ZooEntry(_simplecnn, "the five-layer SimpleCNN (PFPS-LWC spec B.1): 2 conv (6, 16) + 120 + 84 + "
                                       "classifier; optional BatchNorm; head = classifier", SimpleCNNArgs),
+    "vit": ZooEntry(_vit(False), "a ViT from transformers (default: pretrained ViT-B/16 at 224 px) with a new linear "
+                                 "head on [CLS]; every weight trained (full fine-tuning); head = classifier", ViTArgs,
+                    tiny_args=TINY_VIT),
+    "vit_lora": ZooEntry(_vit(True), "vit with the backbone frozen (one shared copy) and peft LoRA adapters (r 8, "
+                                     "alpha 16) on the query and value projections; state = adapters + head; parts "
+                                     "lora_A, lora_B, head", ViTLoRAArgs, tiny_args=TINY_VIT),
     "mlr": ZooEntry(_mlr, "multinomial logistic regression: Linear(d_in, C) on the flattened input; "
                           "head = the layer, body empty", input="any"),
     "mlp": ZooEntry(_mlp, "Linear(d_in, hidden) -> ReLU -> Linear(hidden, C) on the flattened input; "

@@ -36,7 +36,7 @@ import pandas as pd
 from medpfl.environment import summary as env_summary
 from medpfl.io import read_json
 from medpfl.report.stats import (CI_LEVEL, NO_INTERVAL, PAIRED_METRICS, Interval, finite, paired_frame,
-                                 t_interval)
+                                 resolve_reference, t_interval)
 
 NULL = "—"
 
@@ -51,8 +51,9 @@ SUMMARY_KEYS = (
     "avg_worst_client_acc", "avg_worst_client_acc_plain", "local_consistency", "balance",
     "final_client_acc_mean", "final_client_acc_worst", "final_client_bal_acc_mean", "final_client_acc_pooled",
     "final10_client_acc_mean",
-    "final_local_models_on_global_test", "bytes_up_total", "bytes_down_total", "mb_per_round",
-    "seconds_per_round", "train_seconds_per_round", "eval_seconds_per_round", "wall_seconds",
+    "final_local_models_on_global_test", "best_val_client_acc", "best_val_client_acc_worst",
+    "bytes_up_total", "bytes_down_total", "mb_per_round", "mb_up_per_round", "mb_down_per_round",
+    "trainable_params", "frozen_params", "peak_memory_mb", "seconds_per_round", "train_seconds_per_round", "eval_seconds_per_round", "wall_seconds",
     "rounds", "num_clients", "last_round",
 )
 
@@ -93,8 +94,21 @@ _PLAIN = (
     ("Final pooled client acc (correct / tested)", "final_client_acc_pooled", 3),
     ("Last-10-round mean client acc", "final10_client_acc_mean", 3),
     ("Avg local acc (plain)", "avg_local_acc_plain", 3),
+    ("Test acc at best-val round (FHBench protocol)", "best_val_client_acc", 3),
     ("MB per round", "mb_per_round", 2),
     ("s per round", "seconds_per_round", 2),
+)
+#: plain-table columns shown only where some run has a value (they need validation splits)
+_PLAIN_IF_PRESENT = ("best_val_client_acc",)
+
+COST_TITLE = "Cost: parameters, communication and memory"
+COST_CAPTION = (
+    "Per method, the mean over seeds. Trainable / frozen: parameter elements the clients train and the frozen "
+    "backbone they share (one copy, never sent). MB up / down per round: what the clients send and receive in one "
+    "round, all clients together, as sent (compressed where a method compresses); “vs {reference}”: the ratio of "
+    "MB per round (up + down) to the reference method's. Peak memory: the training process's peak, CUDA memory "
+    "allocated by tensors on a GPU, else the process's resident set size (interpreter and libraries included). "
+    f"{NULL} = not recorded."
 )
 
 CI_NOTE = (
@@ -282,13 +296,40 @@ def table1(methods: dict[str, list[Run]]) -> pd.DataFrame:
 
 def plain_table(methods: dict[str, list[Run]]) -> pd.DataFrame:
     """Plain summary: seeds, rounds and mean ± 95 % CI over seeds of final and cost numbers."""
+    everyone = [r for runs in methods.values() for r in runs]
+    cols = [(c, k, nd) for c, k, nd in _PLAIN if k not in _PLAIN_IF_PRESENT or seed_mean(everyone, k) is not None]
     rows = []
     for method, runs in methods.items():
         row: dict[str, Any] = {"Strategy": method, **_counts(runs)}
-        for col, key, nd in _PLAIN:
+        for col, key, nd in cols:
             row[col] = ci_cell(seed_interval(runs, key), nd, len(runs))
         rows.append(row)
-    return pd.DataFrame(rows, columns=["Strategy", "seeds", "rounds"] + [c for c, _, _ in _PLAIN])
+    return pd.DataFrame(rows, columns=["Strategy", "seeds", "rounds"] + [c for c, _, _ in cols])
+
+
+def _count_cell(x: float | None) -> str:
+    return NULL if x is None else f"{x:,.0f}"
+
+
+def cost_table(methods: dict[str, list[Run]], reference: str | None = None) -> tuple[pd.DataFrame, str]:
+    """Per method: trainable and frozen parameters, MB per round up and down, the ratio of MB per
+    round to the reference method (``report.reference``; :func:`resolve_reference`) and the peak
+    memory (means over seeds). Returns ``(table, reference)``."""
+    ref = resolve_reference(list(methods), reference)
+    ref_mb = seed_mean(methods[ref], "mb_per_round")
+    ratio_col = f"MB per round vs {ref}"
+    rows = []
+    for method, runs in methods.items():
+        mb = seed_mean(runs, "mb_per_round")
+        peak = seed_mean(runs, "peak_memory_mb")
+        rows.append({"Strategy": method, "seeds": str(len(runs)),
+                     "Trainable params": _count_cell(seed_mean(runs, "trainable_params")),
+                     "Frozen params": _count_cell(seed_mean(runs, "frozen_params")),
+                     "MB up per round": _fmt(seed_mean(runs, "mb_up_per_round"), 3),
+                     "MB down per round": _fmt(seed_mean(runs, "mb_down_per_round"), 3),
+                     ratio_col: NULL if mb is None or not ref_mb else f"{mb / ref_mb:.3f}",
+                     "Peak memory MB": NULL if peak is None else f"{peak:,.0f}"})
+    return pd.DataFrame(rows), ref
 
 
 def paired(runs: list[Run], reference: str | None = None) -> tuple[pd.DataFrame, dict[tuple[str, str], str]]:
@@ -426,6 +467,8 @@ def render_markdown(runs: list[Run], title: str = "", curves_name: str | None = 
                   _md_table(table1(methods)), "",
                   f"*{TABLE1_CAPTION}*", "", f"### {PLAIN_TITLE}", "", _md_table(plain_table(methods)), "",
                   f"*{PLAIN_CAPTION}*", ""]
+        ct, cref = cost_table(methods, reference if reference in methods else None)
+        lines += [f"### {COST_TITLE}", "", _md_table(ct), "", f"*{COST_CAPTION.format(reference=cref)}*", ""]
         heading, pt, caption = sections[(ds, part)]
         lines += [f"### {heading}", "", _md_table(pt) if pt is not None else "No other method to compare.", "",
                   f"*{caption}*", ""]
@@ -481,6 +524,9 @@ def render_html(runs: list[Run], title: str = "", images: Iterable[tuple[str, st
                   f'<p class="caption">{html.escape(TABLE1_CAPTION)}</p>',
                   f"<h3>{html.escape(PLAIN_TITLE)}</h3>", _html_table(plain_table(methods)),
                   f'<p class="caption">{html.escape(PLAIN_CAPTION)}</p>']
+        ct, cref = cost_table(methods, reference if reference in methods else None)
+        parts += [f"<h3>{html.escape(COST_TITLE)}</h3>", _html_table(ct),
+                  f'<p class="caption">{html.escape(COST_CAPTION.format(reference=cref))}</p>']
         heading, pt, caption = sections[(ds, part)]
         parts += [f"<h3>{html.escape(heading)}</h3>",
                   _html_table(pt) if pt is not None else "<p>No other method to compare.</p>",
