@@ -19,10 +19,10 @@ import torch
 from medpfl.algorithms import REGISTRY
 from medpfl.config import EvalConfig, TrainConfig
 from medpfl.fl.engine import Engine
-from medpfl.fl.functional import make_forward
+from medpfl.fl.functional import make_forward, template_on
 from medpfl.fl.payload import check_upload, payload_nbytes
 from medpfl.fl.tree import tree_leaves
-from medpfl.models import MODEL_NAMES, build_model
+from medpfl.models import MODEL_NAMES, ZOO, build_model
 from tests.conftest import assert_trees_close, make_algo
 
 METHODS = sorted(REGISTRY)
@@ -41,7 +41,7 @@ def model_for(method: str) -> str:
     non-empty (``requires_parts``; FedBN: ``bn``, i.e. ``cnn4bn``)."""
     need = REGISTRY[method].requires_parts
     for name in ("cnn4", *[n for n in MODEL_NAMES if n != "cnn4"]):
-        parts = make_forward(build_model(name, 3, 4, 28).to("meta")).parts
+        parts = make_forward(template_on(build_model(name, 3, 4, 28, ZOO[name].tiny_args), "cpu")).parts
         if all(parts.get(p) for p in need):
             return name
     raise AssertionError(f"{method}: no model of the zoo has the parts {need}")
@@ -52,7 +52,7 @@ def run(fed_data, method, executor="sequential", checkpoint=None, callbacks=(), 
     """One engine run on ``model`` (default: :func:`model_for`); ``capture`` (a list) receives every
     round's stacked uploads at the server."""
     model = model or model_for(method)
-    algo = make_algo(method, model=model, **overrides)
+    algo = make_algo(method, model=model, model_args=ZOO[model].tiny_args, **overrides)
     if capture is not None:
         real = algo.aggregate
 
@@ -61,7 +61,7 @@ def run(fed_data, method, executor="sequential", checkpoint=None, callbacks=(), 
             return real(server, uploads, clients, rnd)
 
         algo.aggregate = spy
-    eng = Engine(algo, fed_data, _train(model=model), EvalConfig(), seed=1, executor_kind=executor,
+    eng = Engine(algo, fed_data, _train(model=model, model_args=ZOO[model].tiny_args), EvalConfig(), seed=1, executor_kind=executor,
                  checkpoint=checkpoint, callbacks=list(callbacks), fingerprint="contract")
     return algo, eng.run()
 
@@ -132,7 +132,7 @@ def test_only_declared_uploads_cross_to_the_server(fed_data, method):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_stacked_equals_sequential(fed_data, method):
-    algo = make_algo(method, model=model_for(method))
+    algo = make_algo(method, model=model_for(method), model_args=ZOO[model_for(method)].tiny_args)
     if not algo.stackable:
         assert algo.not_stackable_because, f"{method}: not stackable without a reason"
         with pytest.raises(ValueError, match="cannot be stacked"):
