@@ -461,3 +461,31 @@ def test_fhbench_partition_stage_and_a_training_job(tmp_path):
     assert first.shape[1] == 3  # the model was built for 3 input channels
     data = load_processed(d / "arrays.npz", d / "samples.parquet")
     assert data.images.shape[1] == 1  # the stored images stay 1-channel
+
+
+@pytest.mark.slow
+def test_snakemake_data_stage_with_the_fhbench_partition(tmp_path):
+    """``snakemake data_all`` (download, preprocess, partition, heat map; about 10 s) on the tiny
+    synthetic study with a partition of the FHBench kind: pool all, data_fraction, dirichlet_pairs
+    and the 4:3:3 ratios rule."""
+    from helpers import job_stats, make_env, snakemake, tiny_params, write_params, write_synthetic
+
+    from medpfl.io import read_parquet
+
+    params = tiny_params(write_synthetic(tmp_path / "synth.npz"))
+    params["partitions"] = {"fh": {"scheme": "dirichlet_pairs", "num_clients": 4, "alpha": 0.5, "pool": "all",
+                                   "data_fraction": 0.5, "seed": 2025,
+                                   "local_test": {"rule": "ratios", "ratios": [0.4, 0.3, 0.3]}}}
+    write_params(tmp_path, params)
+    proc = snakemake(tmp_path, "data_all", env=make_env(tmp_path))
+    assert job_stats(proc.stdout) == {"download": 1, "preprocess": 1, "partition": 1, "partition_figure": 1,
+                                      "data_all": 1}
+    out = tmp_path / "data" / "partitions" / "synth" / "fh"
+    table = read_parquet(out / "partition.parquet")
+    samples = read_parquet(tmp_path / "data" / "processed" / "synth.samples.parquet")
+    assert set(table["local_split"]) == {"train", "test", "val"}
+    assert len(table) == 4 * int(int(0.5 * len(samples)) / 4)  # equal blocks of int(N/K)
+    assert set(samples.set_index("sample_id").loc[table["sample_id"], "split"]) == {"train", "val", "test"}
+    stats = json.loads((out / "client_stats.json").read_text())
+    assert all(set(c) == {"train", "test", "val"} for c in stats["clients"].values())
+    assert (tmp_path / "data" / "figures" / "synth" / "fh" / "heatmap.png").stat().st_size > 0
