@@ -442,9 +442,12 @@ def test_partition_schema_accepts_good_and_rejects_bad_tables():
     dup.loc[3, "sample_id"] = 1
     with pytest.raises(TableError, match=r"(?s)part\.parquet.*sample_id.*uniqueness"):
         validate(PartitionTable, dup, "part.parquet")
+    val = _good_table()
+    val.loc[1, "local_split"] = "val"  # a local val split (the ratios rule) is a valid part
+    validate(PartitionTable, val, "part.parquet")
     bad = _good_table()
-    bad.loc[1, "local_split"] = "val"
-    with pytest.raises(TableError, match=r"(?s)local_split.*val"):
+    bad.loc[1, "local_split"] = "validation"
+    with pytest.raises(TableError, match=r"(?s)local_split.*isin.*'train', 'test', 'val'.*validation"):
         validate(PartitionTable, bad, "part.parquet")
     extra = _good_table().assign(extra=1)
     with pytest.raises(TableError):

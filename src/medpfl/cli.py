@@ -47,14 +47,14 @@ def cmd_preprocess(a) -> None:
 
 def cmd_partition(a) -> None:
     from medpfl.config import PartitionConfig
-    from medpfl.data.partition import build_partition, client_class_counts
+    from medpfl.data.partition import build_partition, client_class_counts, partition_pool
     from medpfl.data.preprocess import load_processed
     from medpfl.io import write_json, write_parquet
 
     job = _job(a.job)
     cfg = PartitionConfig.model_validate(job["config"])
     data = load_processed(a.arrays, a.samples)
-    pool = data.samples[data.samples["split"] == "train"]
+    pool = partition_pool(data.samples, cfg)  # the official train split, or every split with pool: all
     natural = None
     if "natural_client" in pool.columns:  # a generated federated set carries its own clients
         natural = (pool["natural_client"].to_numpy(), pool["natural_split"].to_numpy())
@@ -68,7 +68,11 @@ def cmd_partition(a) -> None:
     write_json(out / "client_stats.json", {"dataset": job["dataset"], "partition": job["name"], "config": job["config"],
                                            "num_classes": data.num_classes, "class_names": names, "clients": counts})
     sizes = table.groupby("client_id").size()
-    print(f"{job['dataset']}/{job['name']}: {len(sizes)} clients, sizes {sizes.min()}..{sizes.max()}")
+    split_totals = ""
+    if (table["local_split"] == "val").any():
+        totals = table.groupby("local_split").size()
+        split_totals = " (local " + ", ".join(f"{s_} {int(totals.get(s_, 0))}" for s_ in ("train", "test", "val")) + ")"
+    print(f"{job['dataset']}/{job['name']}: {len(sizes)} clients, sizes {sizes.min()}..{sizes.max()}{split_totals}")
 
 
 def cmd_partition_figure(a) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Literal
 
@@ -53,10 +54,61 @@ class LocalTestConfig(_Strict):
       a client without class-c training samples gets none). The clients' local test sets then
       partition the official test set (a class absent from the train pool is left out);
       ``fraction`` does not apply. The global test set is still the whole official test split.
+      ``ratios``: a three-way split into local **train, test and val** by ``ratios = [r_train,
+      r_test, r_val]`` (summing to 1), per class c of the client: with ``rounding: floor`` (the
+      default) the first ``floor(r_train * n_kc)`` of the client's class-c samples (in the
+      client's order) are train, the next ``floor(r_test * n_kc)`` test and the remainder val
+      (the FHBench code's ``define_val_dataset``, 4:3:3: a class of 10 gives 4/3/3, of 7 gives
+      2/2/3; ``../shared/docs/methods-pfedkdwcl-epfl.md`` B.4, C.14). The products are exact on
+      the decimal value of each ratio (the code's float ``int(0.4 * n)`` and ``int(0.3 * n)``
+      agree with it for every n up to 200,000; ``int(0.7 * 90)`` in floats would be 62).
+      ``rounding: nearest`` instead gives each part its largest-remainder share of n_kc (ties to
+      the earlier part: train, then test), an OPTION for FedMIC's 7:2:1, whose paper states no
+      rounding (``../shared/docs/methods-fedmic-pfpslwc.md`` A.10: "train : test : val = 7 : 2
+      : 1", "stratified by class where possible"); with floor a class of 4 at 7:2:1 gives
+      2/0/2, with nearest 3/1/0. ``fraction`` does not apply. A client whose classes give no
+      test (or no train) sample stops the partition naming the key; an empty val is allowed.
     """
 
     fraction: float = Field(0.2, gt=0.0, lt=1.0)
-    rule: Literal["stratified", "random", "fedkper", "ordered", "official_test"] = "stratified"
+    rule: Literal["stratified", "random", "fedkper", "ordered", "official_test", "ratios"] = "stratified"
+    ratios: list[float] | None = Field(None, validate_default=True,
+                                       description="rule ratios: [train, test, val] shares, summing to 1")
+    rounding: Literal["floor", "nearest"] = Field("floor", description="rule ratios: floor (FHBench code: "
+                                                                       "int() for train and test, the rest "
+                                                                       "val) or nearest (largest remainder)")
+
+    @field_validator("ratios")
+    @classmethod
+    def _ratios(cls, v: list[float] | None, info) -> list[float] | None:
+        rule = info.data.get("rule")
+        if v is None:
+            if rule == "ratios":
+                raise ValueError("is required for rule: ratios ([train, test, val], e.g. [0.4, 0.3, 0.3])")
+            return v
+        if rule != "ratios":
+            raise ValueError(f"applies to rule: ratios only (rule is {rule!r}); remove it or set rule: ratios")
+        if len(v) != 3:
+            raise ValueError(f"must be three shares [train, test, val], got {v}")
+        if any(not (r >= 0) for r in v):
+            raise ValueError(f"shares must be >= 0, got {v}")
+        if not v[0] > 0 or not v[1] > 0:
+            raise ValueError(f"the train and test shares must be > 0, got {v}")
+        if abs(float(sum(Fraction(repr(float(r))) for r in v)) - 1.0) > 1e-9:
+            raise ValueError(f"must sum to 1, got {v} (sum {sum(v)!r})")
+        return [float(r) for r in v]
+
+    @model_serializer(mode="wrap")
+    def _drop_later_defaults(self, handler):
+        """``ratios`` and ``rounding`` (added after partitions existed) are not dumped unless the
+        rule uses them, so existing job descriptions and ``client_stats.json`` stay as they were."""
+        out = handler(self)
+        if isinstance(out, dict):
+            if out.get("ratios") is None:
+                out.pop("ratios", None)
+            if out.get("rounding") == "floor":
+                out.pop("rounding", None)
+        return out
 
 
 class PartitionConfig(_Strict):
@@ -92,9 +144,49 @@ class PartitionConfig(_Strict):
       ``natural``: the data set's own clients and local splits (a generated federated data set
       such as ``synthetic_0.5_0.5``); ``num_clients`` must equal the data set's client count,
       and ``local_test`` does not apply.
+      ``dirichlet_pairs``: FHBench's partitioner (``build_non_iid_by_dirichlet`` of
+      epfml/quasi-global-momentum as used in microsoft/PersonalizedFL and wph6/FHBench;
+      ``../shared/docs/methods-pfedkdwcl-epfl.md`` B.4, C.14). **Not** the usual global
+      per-class Dir(alpha * 1_K): the pool is shuffled and cut into ``ceil(K/2)`` contiguous
+      chunks of ``int(2/K * N)`` samples (the last chunk takes the rest); chunk j belongs to
+      clients 2j and 2j+1 (with an odd K the last chunk to the last client alone). Within a
+      chunk, per class, proportions ``Dir(alpha, alpha)`` split the class between the pair,
+      zeroing a client that already holds >= chunk/2 samples; the draw of the whole chunk is
+      repeated until both hold at least ``int(0.5 * chunk / 2)`` (at most ``max_draws``
+      times). Label skew is therefore between the two clients of a pair, each client's data
+      comes from its pair's chunk only, and every pair has about the same class mix (that of
+      the pool). ``pair_sizes: equal`` (default, the code) then concatenates the drawn client
+      lists (each grouped by class) and cuts them into K equal blocks of ``int(N / K)``
+      samples, so every client holds exactly ``int(N / K)`` samples and the last ``N - K *
+      int(N / K)`` (< K) samples are left out; a block may straddle two drawn lists (the
+      second client of a pair takes the first's highest classes beyond ``int(N / K)``), and
+      where ``int(2N/K) != 2 int(N/K)`` the blocks drift from the chunks by one sample per
+      pair. ``pair_sizes: drawn`` keeps the drawn lists as the clients (sizes between about
+      0.5 and 1.5 N/K; no sample left out). Each client's samples are listed in pool order
+      (the code re-enumerates a client's samples in data-set order before its local split).
+      ``min_samples`` and ``self_balancing`` do not apply (the balance rule above always
+      applies). Usually with ``local_test: {rule: ratios, ratios: [0.4, 0.3, 0.3]}``,
+      ``pool: all`` and ``data_fraction`` (FHBench's OrganA/C/S: 0.2).
+
+    pool:
+      ``train`` (default): the official train split is partitioned; the official test split is
+      the global test set. ``all``: the official train, test and val splits are merged, in that
+      order (the FHBench code's concatenation, ``ViT_Lora/datautil/prepare_data.py``) and
+      partitioned (FHBench; FedMIC's reading, ``methods-fedmic-pfpslwc.md`` A.10): every
+      sample may go to a client, so there is **no global test set** (the training stage scores
+      local splits only; global-test columns read "not applicable"). Not with ``scheme:
+      natural`` or ``local_test.rule: official_test``.
+
+    data_fraction:
+      in (0, 1]; below 1, a random ``floor(data_fraction * N)`` of the pool (after ``pool``)
+      is drawn first, without replacement, with the partition's seeded RandomState (``choice(N,
+      m, replace=False)``, kept in the drawn order, as FHBench's ``datapercent``: 0.2 for
+      OrganA/C/S), and only it is partitioned. The partition draws continue from the same
+      RandomState. 1.0 (default) draws nothing.
     """
 
-    scheme: Literal["dirichlet", "iid", "pathological", "shards", "per_client_dirichlet", "natural"] = "dirichlet"
+    scheme: Literal["dirichlet", "iid", "pathological", "shards", "per_client_dirichlet", "natural",
+                    "dirichlet_pairs"] = "dirichlet"
     num_clients: int = Field(20, ge=1)
     alpha: float | None = Field(0.1, description="Dirichlet concentration; > 0", validate_default=True)
     self_balancing: bool = True
@@ -112,6 +204,14 @@ class PartitionConfig(_Strict):
     clustered: bool = Field(False, description="per_client_dirichlet: the code's load_mnist_clustered variant")
     n_clusters: int | None = Field(None, ge=1, description="per_client_dirichlet with clustered: number of "
                                                           "client groups, each sharing one random pair of classes")
+    pair_sizes: Literal["equal", "drawn"] = Field("equal", description="dirichlet_pairs: equal (the code: K equal "
+                                                                       "blocks of int(N/K)) or drawn (the "
+                                                                       "Dirichlet lists as drawn)")
+    pool: Literal["train", "all"] = Field("train", description="train: the official train split (the official "
+                                                               "test split is the global test set); all: train, "
+                                                               "test and val merged (no global test set)")
+    data_fraction: float = Field(1.0, gt=0.0, le=1.0, description="share of the pool drawn (seeded) before "
+                                                                  "partitioning; 1 = all")
     seed: int = 1
     local_test: LocalTestConfig = LocalTestConfig()
     datasets: list[str] | None = Field(None, description="the data sets this partition applies to (those of "
@@ -130,9 +230,21 @@ class PartitionConfig(_Strict):
     @classmethod
     def _alpha(cls, v: float | None, info) -> float | None:
         scheme = info.data.get("scheme", "dirichlet")
-        if scheme in ("dirichlet", "per_client_dirichlet") and (v is None or not v > 0):
+        if scheme in ("dirichlet", "per_client_dirichlet", "dirichlet_pairs") and (v is None or not v > 0):
             raise ValueError(f"must be > 0 for the {scheme} scheme, got {v}")
         return v
+
+    @model_validator(mode="after")
+    def _pool(self) -> "PartitionConfig":
+        if self.scheme == "natural" and (self.pool != "train" or self.data_fraction != 1.0):
+            raise ValueError("pool and data_fraction do not apply to scheme: natural (the data set's own clients "
+                             "and splits are used as they are); remove them")
+        if self.pool == "all" and self.local_test.rule == "official_test":
+            raise ValueError("local_test.rule: official_test draws local test splits from the official test split, "
+                             "which pool: all merges into the partitioned pool; choose one of them")
+        if self.scheme == "dirichlet_pairs" and self.num_clients < 2:
+            raise ValueError(f"num_clients={self.num_clients}: dirichlet_pairs needs at least 2 clients (one pair)")
+        return self
 
     @model_validator(mode="after")
     def _per_client(self) -> "PartitionConfig":
@@ -168,11 +280,16 @@ class PartitionConfig(_Strict):
 
     @model_serializer(mode="wrap")
     def _drop_later_defaults(self, handler):
-        """``shards_per_client`` (added after partitions existed) is not dumped when unset, so the
-        job descriptions and ``client_stats.json`` of the other schemes stay as they were."""
+        """Keys added after partitions existed are not dumped at their default
+        (``shards_per_client`` unset, ``pair_sizes: equal``, ``pool: train``, ``data_fraction:
+        1``), so the job descriptions and ``client_stats.json`` of earlier partitions stay as they
+        were; a non-default value is dumped and re-runs the partition it applies to."""
         out = handler(self)
-        if isinstance(out, dict) and out.get("shards_per_client") is None:
-            out.pop("shards_per_client", None)
+        if isinstance(out, dict):
+            for key, default in (("shards_per_client", None), ("pair_sizes", "equal"), ("pool", "train"),
+                                 ("data_fraction", 1.0)):
+                if key in out and out[key] == default:
+                    out.pop(key)
         return out
 
 
@@ -224,6 +341,27 @@ class SamplingConfig(_Strict):
     seed: int | None = None
 
 
+class TransformConfig(_Strict):
+    """How image samples are turned into model input, on the fly in the training stage
+    (:meth:`medpfl.fl.data.FederatedData.x`; images stay uint8 on the device).
+
+    channels: ``null`` (default): as stored; ``3``: a 1-channel (grayscale) image is repeated
+    to 3 channels at batch time, as PIL's ``convert("RGB")`` does (3-channel images are left as
+    they are); the model is then built for 3 input channels.
+    normalize: ``dataset`` (default): the data set's own normalisation (``Normalize(0.5, 0.5)``,
+    or its stored mean/std: MNIST); ``imagenet``: ``ToTensor()`` + ``Normalize(mean=(0.485,
+    0.456, 0.406), std=(0.229, 0.224, 0.225))`` per channel, the input of ImageNet-pretrained
+    backbones (FHBench's ViT transform, ``ViT_Lora/datautil/prepare_data.py``; needs 3 channels,
+    so 1-channel images need ``channels: 3``).
+    Vector samples (Synthetic(alpha, beta)) take no transform."""
+
+    channels: Literal[3] | None = Field(None, description="null: as stored; 3: grayscale repeated to 3 channels")
+    normalize: Literal["dataset", "imagenet"] = "dataset"
+
+    def is_default(self) -> bool:
+        return self.channels is None and self.normalize == "dataset"
+
+
 class TrainConfig(_Strict):
     """Local training and the model. ``model`` names a zoo model (:mod:`medpfl.models.zoo`);
     ``model_args`` holds that model's own arguments (``mlp``: ``hidden``), checked against it:
@@ -248,6 +386,8 @@ class TrainConfig(_Strict):
     deterministic: bool = Field(True, description="on CUDA: deterministic algorithms where torch has them "
                                                   "(warn_only), CUBLAS_WORKSPACE_CONFIG=:4096:8, cuDNN deterministic, "
                                                   "no cuDNN benchmark (medpfl.environment); no effect on a CPU")
+    transform: TransformConfig = Field(TransformConfig(), description="image input transform: channels (null | 3), "
+                                                                     "normalize (dataset | imagenet)")
 
     @field_validator("model")
     @classmethod
@@ -273,7 +413,8 @@ class TrainConfig(_Strict):
     @model_serializer(mode="wrap")
     def _drop_later_defaults(self, handler):
         """Keys added after runs existed are not dumped at their default: a model without
-        arguments dumps no ``model_args``, and ``deterministic: true`` is not dumped. The job
+        arguments dumps no ``model_args``, and ``deterministic: true`` and the default
+        ``transform`` are not dumped. The job
         descriptions (and so the Snakemake params triggers and checkpoint fingerprints) of such
         runs stay as they were before these keys existed; a non-default value is dumped and
         re-runs exactly the jobs it applies to."""
@@ -283,6 +424,8 @@ class TrainConfig(_Strict):
                 out.pop("model_args", None)
             if out.get("deterministic") is True:
                 out.pop("deterministic")
+            if self.transform.is_default():
+                out.pop("transform", None)
         return out
 
     @field_validator("device")
@@ -574,13 +717,19 @@ def canonical_json(obj: Any) -> str:
 
 def train_job(params: Params, dataset: str, partition: str, method: str, seed: int) -> dict:
     """Everything one training job needs, resolved and JSON-ready (Snakemake passes it on the
-    command line, so its params trigger sees exactly these values)."""
+    command line, so its params trigger sees exactly these values).
+
+    ``pool`` is present only for ``partitions.<name>.pool: all`` (no global test set), and
+    ``train.transform`` only when not the default, so the descriptions of earlier jobs are
+    unchanged."""
     if partition not in params.partitions:
         raise ParamsError(f"partitions: no partition named {partition!r}")
     if (dataset, partition) not in params.dataset_partitions():
         raise ParamsError(f"partitions.{partition}.datasets: does not include {dataset!r}")
     algo_cls, mcfg = params.method_config(method)
+    pool = params.partitions[partition].pool
     return {
+        **({"pool": pool} if pool != "train" else {}),
         "study": params.study,
         "dataset": dataset,
         "partition": partition,

@@ -107,7 +107,8 @@ def run_training(job: dict, arrays: Path, samples: Path, partition_table: Path, 
     if k != job["num_clients"]:
         raise PartitionError(f"{partition_table}: holds {k} clients, partitions.{job['partition']}.num_clients says "
                              f"{job['num_clients']} (re-run the partition stage)")
-    fdata = FederatedData.build(data, table, device)
+    # pool all: every split was partitioned, no global test set; transform: train.transform
+    fdata = FederatedData.build(data, table, device, pool=job.get("pool", "train"), transform=train.transform)
     template = build_model(train.model, fdata.in_channels, fdata.num_classes, fdata.image_size, train.model_args)
     counts = parameter_counts(template)
     template = template_on(template, device)  # a frozen backbone stays real: one shared copy on the device

@@ -2,8 +2,10 @@
 share into local train and local test.
 
 One class per scheme (``DirichletPartitioner``, ``IIDPartitioner``,
-``PathologicalPartitioner``, ``ShardsPartitioner``, ``PerClientDirichletPartitioner``), each
-seeded, each returning a list of K index arrays into the label vector it was given. All draws
+``PathologicalPartitioner``, ``ShardsPartitioner``, ``PerClientDirichletPartitioner``,
+``PairwiseDirichletPartitioner``), each seeded, each returning a list of K index arrays into
+the label vector it was given. The pool is the official train split, or with ``pool: all``
+every split (:func:`partition_pool`); ``data_fraction`` draws a seeded subset of it first. All draws
 come from one ``numpy.random.RandomState(seed)`` that continues into the local train/test
 split, in the order of the FedKPer authors' code as read in
 ``../shared/docs/fedkper-protocol.md`` §2 (the ``dirichlet`` scheme and the ``fedkper`` local
@@ -13,13 +15,16 @@ client sizes 335, 161, 797, ... that an independent re-implementation of that co
 authors' own code. The ``natural`` scheme draws nothing: it takes the clients and local splits
 a generated federated data set carries.
 
-The schemes ``dirichlet``, ``iid``, ``pathological`` and ``shards`` are disjoint (every pool
-sample goes to exactly one client; the table is checked against :class:`PartitionTable`).
+The schemes ``dirichlet``, ``iid``, ``pathological``, ``shards`` and ``dirichlet_pairs`` are
+disjoint (every pool sample goes to at most one client, and to exactly one except the fewer
+than K that ``dirichlet_pairs``' equal blocks leave out; the table is checked against
+:class:`PartitionTable`).
 ``per_client_dirichlet`` samples each client from the whole pool, so a sample may belong to
 several clients (never twice to one); its table is checked against
 :class:`SharedPartitionTable`. The local rule ``official_test`` (:func:`split_official_test`)
 draws each client's local test split from the official test split instead of its own share,
-so its table also holds official-test sample ids.
+so its table also holds official-test sample ids. The local rule ``ratios``
+(:func:`split_ratios`) adds a third local split, ``val``.
 
 Errors: :class:`PartitionError` (a ``ValueError``) whose message names the params key.
 """
@@ -344,6 +349,111 @@ class PerClientDirichletPartitioner:
         return out
 
 
+@dataclass
+class PairwiseDirichletPartitioner:
+    """FHBench's Dirichlet partition (``build_non_iid_by_dirichlet``, from
+    epfml/quasi-global-momentum, as used in microsoft/PersonalizedFL and wph6/FHBench
+    ``datautil/datasplit.py``; ``../shared/docs/methods-pfedkdwcl-epfl.md`` B.4 and C.14),
+    re-implemented from its description. Clients come in pairs (``n_auxi_workers = 2``) and
+    the label skew is between the two clients of a pair.
+
+    Draws, in order (all from ``rng``):
+
+    1. one permutation of the pool's positions (the code shuffles its (index, label) rows);
+    2. the shuffled pool is cut into ``ceil(K/2)`` contiguous chunks: chunk j (j < last) holds
+       positions ``[j*c, (j+1)*c)`` with ``c = int(2/K * N)`` (floating point, as the code),
+       the last chunk runs to N; chunk j's workers are clients 2j and 2j+1, except with an odd
+       K, where the last chunk has one worker (client K-1);
+    3. per chunk in order, with ``n_w`` workers and ``S`` samples, repeat until the smallest
+       worker holds at least ``int(0.5 * S / n_w)``: start from empty lists; for every class c
+       of the pool (sorted), take the chunk's class-c positions in shuffled order, draw ``p ~
+       Dir(alpha * 1_{n_w})``, zero ``p_j`` of each worker already holding ``>= S / n_w``,
+       renormalise, and cut the class at ``(cumsum(p) * n_c).astype(int)[:-1]`` (worker lists
+       grow class by class, so each is grouped by class). A draw whose proportions are not
+       finite (alpha so small that the Dirichlet draw underflows) counts as failed; after
+       ``max_draws`` failed draws of one chunk the partition stops naming the key (the code
+       loops forever);
+    4. ``equal_sizes`` (``pair_sizes: equal``, the code's ``DataPartitioner`` with
+       ``partition_sizes = [1/K] * K``): the K worker lists are concatenated in client order
+       and cut into K blocks of ``int(1/K * N)`` samples; block i is client i, and the last
+       ``N - K * int(N/K)`` samples are left out. Otherwise (``pair_sizes: drawn``) worker
+       list i is client i;
+    5. each client's positions are sorted ascending (pool order): the code re-enumerates a
+       client's samples in data-set order before its per-class train/test/val split
+       (``DataPartitioner(..., "evenly")``), so the ``ratios`` rule then sees them in that order.
+
+    Clients are disjoint. Raises PartitionError naming the key when K < 2, K > N, a client
+    would be empty, or a chunk finds no valid draw in ``max_draws`` tries.
+    """
+
+    num_clients: int
+    alpha: float
+    equal_sizes: bool = True
+    max_draws: int = 1000
+    key: str = "partitions.<name>"
+
+    def chunks(self, n: int) -> list[tuple[int, int, int]]:
+        """``(start, stop, workers)`` of each chunk of a pool of ``n``, in order."""
+        k, aux = self.num_clients, 2
+        num_splits = math.ceil(k / aux)
+        size = int(aux / k * n)
+        out = []
+        for j in range(num_splits):
+            workers = aux if j < num_splits - 1 else k - aux * (num_splits - 1)
+            out.append((j * size, n if j == num_splits - 1 else (j + 1) * size, workers))
+        return out
+
+    def draw_chunk(self, pos: np.ndarray, labels: np.ndarray, classes: np.ndarray, workers: int,
+                   rng: np.random.RandomState, chunk: int) -> list[np.ndarray]:
+        """One chunk's worker lists (positions, each grouped by class in ``classes`` order)."""
+        size = len(pos)
+        y = labels[pos]
+        for _ in range(self.max_draws):
+            batches: list[list[int]] = [[] for _ in range(workers)]
+            failed = False
+            for c in classes:
+                members = pos[y == c]
+                p = rng.dirichlet(np.repeat(self.alpha, workers))
+                p = np.array([pj * (len(b) < size / workers) for pj, b in zip(p, batches)])
+                if len(members) == 0:
+                    continue  # the draw is made (as in the code) but there is nothing to cut
+                total = p.sum()
+                if not np.isfinite(total) or total <= 0:
+                    failed = True
+                    break
+                cuts = (np.cumsum(p / total) * len(members)).astype(int)[:-1]
+                batches = [b + part.tolist() for b, part in zip(batches, np.split(members, cuts))]
+            if not failed and min(len(b) for b in batches) >= int(0.50 * size / workers):
+                return [np.array(b, dtype=np.int64) for b in batches]
+        raise PartitionError(
+            f"{self.key}: no Dirichlet draw of chunk {chunk} ({size} samples, {workers} clients) gave every client "
+            f"at least int(0.5 * {size} / {workers}) samples in {self.max_draws} tries (alpha={self.alpha}); raise "
+            f"{self.key}.alpha or {self.key}.max_draws")
+
+    def partition(self, labels: np.ndarray, rng: np.random.RandomState) -> list[np.ndarray]:
+        """labels: int [N]. Returns K disjoint arrays of positions into ``labels``, each ascending."""
+        if not self.alpha > 0:
+            raise PartitionError(f"{self.key}.alpha must be > 0, got {self.alpha}")
+        n, k = len(labels), self.num_clients
+        if k < 2:
+            raise PartitionError(f"{self.key}.num_clients={k}: dirichlet_pairs needs at least 2 clients")
+        _check_size(n, k, 1, self.key)
+        order = rng.permutation(n).astype(np.int64)
+        classes = np.unique(labels)
+        lists: list[np.ndarray] = []
+        for j, (start, stop, workers) in enumerate(self.chunks(n)):
+            lists += self.draw_chunk(order[start:stop], labels, classes, workers, rng, j)
+        if self.equal_sizes:
+            q = int(1.0 / k * n)
+            flat = np.concatenate(lists)
+            lists = [flat[i * q:(i + 1) * q] for i in range(k)]
+        empty = [i for i, b in enumerate(lists) if len(b) == 0]
+        if empty:
+            raise PartitionError(f"{self.key}: clients {empty} get no sample from dirichlet_pairs (N={n}); lower "
+                                 f"{self.key}.num_clients")
+        return [np.sort(b).astype(np.int64) for b in lists]
+
+
 def _check_size(n: int, k: int, min_samples: int, key: str) -> None:
     if k > n:
         raise PartitionError(f"{key}.num_clients={k} exceeds the {n} samples of the train split")
@@ -353,6 +463,8 @@ def _check_size(n: int, k: int, min_samples: int, key: str) -> None:
 
 
 OVERLAPPING_SCHEMES = frozenset({"per_client_dirichlet"})
+# schemes that may leave pool samples to no client (dirichlet_pairs' equal blocks drop < K samples)
+INCOMPLETE_SCHEMES = frozenset({"dirichlet_pairs"})
 
 
 def make_partitioner(cfg: PartitionConfig, key: str):
@@ -362,6 +474,8 @@ def make_partitioner(cfg: PartitionConfig, key: str):
     if cfg.scheme == "natural":
         raise PartitionError(f"{key}: the natural scheme draws nothing; use build_partition with the data set's "
                              "own clients (internal error)")
+    if cfg.scheme == "dirichlet_pairs":
+        return PairwiseDirichletPartitioner(cfg.num_clients, cfg.alpha, cfg.pair_sizes == "equal", cfg.max_draws, key)
     if cfg.scheme == "dirichlet":
         return DirichletPartitioner(cfg.num_clients, cfg.alpha, cfg.min_samples, cfg.self_balancing, cfg.max_draws, key)
     if cfg.scheme == "iid":
@@ -385,8 +499,12 @@ def split_local(clients: list[np.ndarray], labels: np.ndarray, cfg: LocalTestCon
         when the class is smaller than that; if nothing was drawn, a random ``int(fraction*n_k)``.
         The local train set keeps the client's order.
 
+      ratios: a three-way split, :func:`split_ratios`; returns ``(train, test, val)`` triples.
+
     Raises PartitionError naming ``key`` when a client would have no test or no train sample.
     """
+    if cfg.rule == "ratios":
+        return split_ratios(clients, labels, cfg, key)
     out = []
     for cid, idx in enumerate(clients):
         y = labels[idx]
@@ -424,6 +542,58 @@ def split_local(clients: list[np.ndarray], labels: np.ndarray, cfg: LocalTestCon
         if len(train) == 0:
             raise PartitionError(f"{key}: client {cid} ({len(idx)} samples) gets no local train sample; lower the fraction")
         out.append((train, test))
+    return out
+
+
+def ratio_counts(ratios, n: int, rounding: str = "floor") -> tuple[int, int, int]:
+    """How many of a class's ``n`` samples go to local train, test and val under ``ratios =
+    [r_train, r_test, r_val]``.
+
+    floor (the FHBench code's ``define_val_dataset``): ``floor(r_train * n)``,
+    ``floor(r_test * n)`` and the remainder, the products exact on the decimal value of each
+    ratio (4:3:3 of 10 is 4/3/3, of 7 is 2/2/3). nearest: :func:`largest_remainder` of ``n``
+    over the three ratios (exact; ties to the earlier part), e.g. 7:2:1 of 4 is 3/1/0.
+    """
+    exact = [Fraction(repr(float(r))) for r in ratios]
+    if rounding == "nearest":
+        den = math.lcm(*(f.denominator for f in exact))
+        tr, te, va = (int(v) for v in largest_remainder(n, np.array([int(f * den) for f in exact])))
+        return tr, te, va
+    tr, te = int(math.floor(exact[0] * n)), int(math.floor(exact[1] * n))
+    return tr, te, n - tr - te
+
+
+def split_ratios(clients: list[np.ndarray], labels: np.ndarray, cfg: LocalTestConfig,
+                 key: str = "partitions.<name>.local_test") -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The ``ratios`` local rule: split each client's positions into ``(local train, local test,
+    local val)`` per class (FHBench's 4:3:3, FedMIC's 7:2:1).
+
+    For each class c of the client, its positions **in the client's order** (no draw: the
+    partitioners hand over shuffled clients; ``dirichlet_pairs`` hands them over in pool order,
+    as the FHBench code) are cut into the first ``n_train``, the next ``n_test`` and the rest,
+    with ``(n_train, n_test, n_val) =`` :func:`ratio_counts` ``(cfg.ratios, n_kc,
+    cfg.rounding)``. Each part keeps the client's order. Raises PartitionError naming ``key``
+    when a client gets no train or no test sample; an empty val is allowed.
+    """
+    out = []
+    for cid, idx in enumerate(clients):
+        idx = np.asarray(idx, dtype=np.int64)
+        y = labels[idx]
+        part = np.full(len(idx), 2, dtype=np.int8)  # 0 train, 1 test, 2 val
+        for c in np.unique(y):
+            where = np.flatnonzero(y == c)
+            tr, te, _ = ratio_counts(cfg.ratios, len(where), cfg.rounding)
+            part[where[:tr]] = 0
+            part[where[tr:tr + te]] = 1
+        train, test, val = (idx[part == i] for i in range(3))
+        for name, arr in (("train", train), ("test", test)):
+            if len(arr) == 0:
+                held = {int(c): int(m) for c, m in zip(*np.unique(y, return_counts=True))}
+                raise PartitionError(f"{key}: client {cid} ({len(idx)} samples, per class {held}) gets no local {name} "
+                                     f"sample with rule='ratios', ratios={cfg.ratios}, rounding={cfg.rounding!r}; "
+                                     f"lower {key.rsplit('.', 1)[0]}.num_clients, raise {key}.ratios' {name} share "
+                                     f"or set {key}.rounding: nearest")
+        out.append((train, test, val))
     return out
 
 
@@ -526,12 +696,29 @@ def _fedkper_test(idx: np.ndarray, y: np.ndarray, fraction: float, rng: np.rando
     return test.astype(np.int64)
 
 
+def partition_pool(samples: pd.DataFrame, cfg: PartitionConfig) -> pd.DataFrame:
+    """The rows of the sample table (:class:`SampleTable`) that ``cfg`` partitions, in pool order:
+    ``pool: train``, the official train split; ``pool: all``, the official train, test and val
+    splits, in that order (the FHBench code's concatenation), each in its own order. The
+    ``data_fraction`` draw happens later, in :func:`build_partition`."""
+    if cfg.pool == "all":
+        return pd.concat([samples[samples["split"] == s] for s in ("train", "test", "val")])
+    return samples[samples["split"] == "train"]
+
+
+def fraction_size(fraction: float, n: int) -> int:
+    """``floor(fraction * n)``, exact on the decimal value of ``fraction`` (FHBench's
+    ``int(len(data) * datapercent)``; the same for 0.2, 0.3 and 0.5 at every n)."""
+    return int(math.floor(Fraction(repr(float(fraction))) * n))
+
+
 def build_partition(pool_ids: np.ndarray, pool_labels: np.ndarray, cfg: PartitionConfig, name: str = "<name>",
                     natural: tuple[np.ndarray, np.ndarray] | None = None,
                     official_test: tuple[np.ndarray, np.ndarray] | None = None) -> pd.DataFrame:
-    """Partition the official train pool and split each client; return the validated table.
+    """Partition the pool and split each client; return the validated table.
 
-    pool_ids: int64 [N] sample ids of the official train split; pool_labels: int64 [N].
+    pool_ids: int64 [N] sample ids of the pool (the official train split, or with ``pool: all``
+    every split: :func:`partition_pool`); pool_labels: int64 [N].
     natural: for ``scheme: natural``, the data set's own ``(client id int [N], local split str
     [N] in {"train", "test"})`` of each pool sample, in pool order (the sample table's
     ``natural_client`` / ``natural_split``).
@@ -539,18 +726,35 @@ def build_partition(pool_ids: np.ndarray, pool_labels: np.ndarray, cfg: Partitio
     used by ``local_test.rule: official_test`` only (:func:`split_official_test`); the local
     test rows then carry official-test sample ids (ids are unique across splits in the sample
     table, so the training stage finds them in the same arrays).
+
+    All draws come from one ``RandomState(cfg.seed)``: first, with ``data_fraction < 1``, the
+    subset ``choice(N, floor(data_fraction * N), replace=False)`` of the pool (kept in the drawn
+    order), then the partitioner's, then the local split's.
+
     Returns a :class:`PartitionTable` frame (sample_id, client_id, local_split, label),
-    sorted by client then split; for the disjoint schemes one row per pool sample (plus, with
-    ``official_test``, one per assigned official test sample), for ``per_client_dirichlet`` one
-    row per (client, sample), a sample possibly in several clients (:class:`SharedPartitionTable`).
+    sorted by client then split (train, test, then val for the ``ratios`` rule); for the
+    disjoint schemes one row per pool sample (after ``data_fraction``; ``dirichlet_pairs``
+    with equal sizes leaves out fewer than K), plus, with ``official_test``, one per assigned
+    official test sample; for ``per_client_dirichlet`` one row per (client, sample), a sample
+    possibly in several clients (:class:`SharedPartitionTable`).
     Raises PartitionError naming the ``partitions.<name>`` key.
     """
     key = f"partitions.{name}"
+    pool_ids, pool_labels = np.asarray(pool_ids), np.asarray(pool_labels)
     test_ids = test_labels = None
     if cfg.scheme == "natural":
+        if cfg.pool != "train" or cfg.data_fraction != 1.0:
+            raise PartitionError(f"{key}: pool and data_fraction do not apply to scheme: natural")
         splits = _natural_splits(pool_labels, cfg, natural, key)
     else:
         rng = np.random.RandomState(cfg.seed)
+        if cfg.data_fraction < 1.0:
+            m = fraction_size(cfg.data_fraction, len(pool_ids))
+            if m < cfg.num_clients:
+                raise PartitionError(f"{key}.data_fraction={cfg.data_fraction} keeps {m} of the {len(pool_ids)} pool "
+                                     f"samples, fewer than num_clients={cfg.num_clients}; raise {key}.data_fraction")
+            keep = rng.choice(len(pool_ids), m, replace=False)
+            pool_ids, pool_labels = pool_ids[keep], pool_labels[keep]
         clients = make_partitioner(cfg, key).partition(pool_labels, rng)
         if cfg.local_test.rule == "official_test":
             test_ids, test_labels = (np.asarray(a) for a in (official_test or ([], [])))
@@ -562,19 +766,27 @@ def build_partition(pool_ids: np.ndarray, pool_labels: np.ndarray, cfg: Partitio
         else:
             splits = split_local(clients, pool_labels, cfg.local_test, rng, key=f"{key}.local_test")
     rows = []
-    for cid, (train, test) in enumerate(splits):
+    for cid, (train, test, *rest) in enumerate(splits):
         rows.append(pd.DataFrame({"sample_id": pool_ids[train], "client_id": cid, "local_split": "train",
                                   "label": pool_labels[train]}))
         ids, labels = (pool_ids, pool_labels) if test_ids is None else (test_ids, test_labels)
         rows.append(pd.DataFrame({"sample_id": ids[test], "client_id": cid, "local_split": "test",
                                   "label": labels[test]}))
+        if rest and len(rest[0]):  # the ratios rule's local val split
+            val = rest[0]
+            rows.append(pd.DataFrame({"sample_id": pool_ids[val], "client_id": cid, "local_split": "val",
+                                      "label": pool_labels[val]}))
     table = pd.concat(rows, ignore_index=True)
     if cfg.scheme in OVERLAPPING_SCHEMES:
         return validate(SharedPartitionTable, table, f"partition {name}")
     table = validate(PartitionTable, table, f"partition {name}")
-    expected = len(pool_ids) + (0 if test_ids is None else sum(len(t) for _, t in splits))
+    from_pool = sum(len(s[0]) + (len(s[2]) if len(s) > 2 else 0) + (len(s[1]) if test_ids is None else 0)
+                    for s in splits)
+    if from_pool != len(pool_ids) and cfg.scheme not in INCOMPLETE_SCHEMES:
+        raise PartitionError(f"{key}: {from_pool} of {len(pool_ids)} pool samples assigned (internal error)")
+    expected = from_pool + (0 if test_ids is None else sum(len(s[1]) for s in splits))
     if len(table) != expected:
-        raise PartitionError(f"{key}: {len(table)} rows for {len(pool_ids)} train samples"
+        raise PartitionError(f"{key}: {len(table)} rows for {from_pool} pool samples"
                              f"{'' if test_ids is None else ' and their official test shares'} (internal error)")
     return table
 
@@ -603,11 +815,14 @@ def _natural_splits(pool_labels: np.ndarray, cfg: PartitionConfig, natural, key:
 
 
 def client_class_counts(table: pd.DataFrame, num_classes: int) -> dict:
-    """Per-client class counts of local train and local test: ``{client: {"train": [C], "test": [C]}}``."""
+    """Per-client class counts of local train and local test: ``{client: {"train": [C], "test":
+    [C]}}``, plus ``"val": [C]`` for every client when the table has local val rows (the
+    ``ratios`` rule); without val rows the result is exactly as before val splits existed."""
+    splits = ("train", "test", "val") if (table["local_split"] == "val").any() else ("train", "test")
     out = {}
     for cid, grp in table.groupby("client_id", sort=True):
         out[int(cid)] = {
             split: np.bincount(grp.loc[grp["local_split"] == split, "label"], minlength=num_classes).tolist()
-            for split in ("train", "test")
+            for split in splits
         }
     return out

@@ -16,7 +16,9 @@ import pandera.pandas as pa  # noqa: E402
 from pandera.typing import Series  # noqa: E402
 
 SPLITS = ["train", "val", "test"]
-LOCAL_SPLITS = ["train", "test"]
+# a client's local splits in a partition table: val only with the ``ratios`` local rule
+LOCAL_SPLITS = ["train", "test", "val"]
+NATURAL_SPLITS = ["train", "test"]  # the local splits a generated federated set gives its samples
 VIEWS = ["global_test", "global_on_local", "local_after_training", "personalized_on_local", "local_on_global_test",
          "local_after_training_val", "global_on_val", "personalized_on_val"]
 
@@ -37,7 +39,7 @@ class SampleTable(pa.DataFrameModel):
     index_in_split: Series[int] = pa.Field(ge=0)
     label: Series[int] = pa.Field(ge=0)
     natural_client: Optional[Series[int]] = pa.Field(ge=0)
-    natural_split: Optional[Series[str]] = pa.Field(isin=LOCAL_SPLITS)
+    natural_split: Optional[Series[str]] = pa.Field(isin=NATURAL_SPLITS)
 
     class Config:
         strict = True
@@ -46,9 +48,11 @@ class SampleTable(pa.DataFrameModel):
 
 
 class PartitionTable(pa.DataFrameModel):
-    """One row per official-train sample: which client holds it and in which local split. With
-    the ``official_test`` local rule the local test rows are official-test samples instead
-    (``sample_id`` is unique across the sample table's splits, so ids never collide)."""
+    """One row per pool sample (the official train split, or every split with ``pool: all``):
+    which client holds it and in which local split, ``train``, ``test`` or ``val`` (val only
+    with the ``ratios`` local rule). With the ``official_test`` local rule the local test rows
+    are official-test samples instead (``sample_id`` is unique across the sample table's
+    splits, so ids never collide)."""
 
     sample_id: Series[int] = pa.Field(ge=0, unique=True)
     client_id: Series[int] = pa.Field(ge=0)

@@ -4,27 +4,39 @@ Images stay uint8 ``[N, C, H, W]`` on the device and are normalised on the fly: 
 ``x / 127.5 - 1``, i.e. ``Normalize(0.5, 0.5)`` after ``ToTensor`` (the FedKPer loader's
 transform, MedMNIST); with the processed file's ``norm = (mean, std)``, ``(x / 255 - mean) /
 std`` in float32 (``ToTensor`` + ``Normalize(mean, std)``; MNIST: 0.1307, 0.3081, the pFedKD-WCL
-code). Float samples (Synthetic(alpha, beta) vectors ``[N, d]``) are used as they are. Clients
-are index tensors into those arrays (a sample may sit in several clients' tensors). No
-DataLoader, no per-sample Python.
+code). ``train.transform`` (:class:`medpfl.config.TransformConfig`) can repeat a 1-channel image
+to 3 channels and/or normalise with the ImageNet per-channel statistics, for pretrained
+backbones; both happen at batch time, the stored images are not copied. Float samples
+(Synthetic(alpha, beta) vectors ``[N, d]``) are used as they are. Clients are index tensors into
+those arrays (a sample may sit in several clients' tensors): local train, local test and, with
+the ``ratios`` local rule, local val. No DataLoader, no per-sample Python.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
 import torch
 
+from medpfl.config import ParamsError, TransformConfig
 from medpfl.data.preprocess import ProcessedData
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 @dataclass
 class FederatedData:
     """images uint8 [N, C, H, W], labels int64 [N] on ``device``; per client, int64 index
-    tensors of its local train and local test samples; the global test set's indices; and
-    each client's local train label histogram float [K, C] (client-side information)."""
+    tensors of its local train, local test and local val samples (``client_val``: an empty
+    tensor per client when the partition has no val rows; :attr:`has_val`); the global test
+    set's indices (empty when the data set has none or the partition pools every split); and
+    each client's local train label histogram float [K, C] (client-side information).
+
+    ``transform`` (None: the default input) is applied in :meth:`x`; :attr:`in_channels` is the
+    channel count the model sees (3 when a 1-channel image is repeated)."""
 
     images: torch.Tensor
     labels: torch.Tensor
@@ -35,15 +47,49 @@ class FederatedData:
     train_hist: torch.Tensor
     device: torch.device
     norm: tuple[float, float] | None = None
+    client_val: list[torch.Tensor] = field(default_factory=list)
+    transform: TransformConfig | None = None
+
+    def __post_init__(self) -> None:
+        if not self.client_val:
+            self.client_val = [torch.empty(0, dtype=torch.int64, device=self.device) for _ in self.client_train]
+        if len(self.client_val) != len(self.client_train):
+            raise ValueError(f"{len(self.client_val)} client_val tensors for {len(self.client_train)} clients")
+        if self.transform is not None and self.transform.is_default():
+            self.transform = None
+        self._expand = False
+        self._imagenet = None
+        if self.transform is not None:
+            if self.images.dim() != 4 or self.images.is_floating_point():
+                raise ParamsError(f"train.transform={self.transform.model_dump()}: applies to image data sets only; "
+                                  "this data set has vector samples (remove train.transform)")
+            c = int(self.images.shape[1])
+            self._expand = self.transform.channels == 3 and c == 1
+            if self.transform.channels == 3 and c not in (1, 3):
+                raise ParamsError(f"train.transform.channels=3: the images have {c} channels; only 1-channel images "
+                                  "are repeated to 3")
+            if self.transform.normalize == "imagenet":
+                if (3 if self._expand else c) != 3:
+                    raise ParamsError(f"train.transform.normalize=imagenet needs 3-channel input, the images have {c} "
+                                      "channel(s); set train.transform.channels: 3")
+                self._imagenet = (torch.tensor(IMAGENET_MEAN, dtype=torch.float32, device=self.device).view(3, 1, 1),
+                                  torch.tensor(IMAGENET_STD, dtype=torch.float32, device=self.device).view(3, 1, 1))
 
     @property
     def num_clients(self) -> int:
         return len(self.client_train)
 
     @property
+    def has_val(self) -> bool:
+        """Whether the partition gives clients local val splits (the ``ratios`` rule with a val
+        share); then ``client_val`` holds them (possibly empty for some clients)."""
+        return any(v.numel() > 0 for v in self.client_val)
+
+    @property
     def in_channels(self) -> int:
-        """Channels of an image sample; for vector samples ([N, d]) the number of features d."""
-        return int(self.images.shape[1])
+        """Channels of a model input sample (after ``transform``); for vector samples ([N, d])
+        the number of features d."""
+        return 3 if self._expand else int(self.images.shape[1])
 
     @property
     def image_size(self) -> int | None:
@@ -53,33 +99,62 @@ class FederatedData:
 
     def x(self, idx: torch.Tensor) -> torch.Tensor:
         """Normalised float32 samples for indices ``idx`` (int64 [...]) -> [..., C, H, W] (or [..., d]
-        for vector data, already float and passed through)."""
+        for vector data, already float and passed through); C is :attr:`in_channels`."""
         v = self.images[idx]
         if v.is_floating_point():
             return v.to(torch.float32)
+        f = v.to(torch.float32)
+        if self._expand:  # grayscale -> 3 channels (a broadcast view; the arithmetic below copies)
+            f = f.expand(*f.shape[:-3], 3, *f.shape[-2:])
+        if self._imagenet is not None:
+            mean, std = self._imagenet
+            return (f / 255.0 - mean) / std
         if self.norm is None:
-            return v.to(torch.float32) / 127.5 - 1.0
+            return f / 127.5 - 1.0
         mean, std = self.norm
-        return (v.to(torch.float32) / 255.0 - mean) / std
+        return (f / 255.0 - mean) / std
 
     @classmethod
-    def build(cls, data: ProcessedData, partition: pd.DataFrame, device: torch.device) -> "FederatedData":
-        """From preprocessed arrays and a partition table; the global test set is the official test split."""
+    def build(cls, data: ProcessedData, partition: pd.DataFrame, device: torch.device, pool: str = "train",
+              transform: TransformConfig | None = None) -> "FederatedData":
+        """From preprocessed arrays and a partition table.
+
+        pool: the partition's ``pool``. ``train``: the global test set is the official test
+        split; no client may then train or validate on a test-split sample (a table built with
+        ``pool: all`` stops here with an error). ``all``: every split was partitioned, so there
+        is no global test set (an empty ``global_test``).
+        transform: ``train.transform`` (None or the default: the data set's own normalisation)."""
+        if pool not in ("train", "all"):
+            raise ParamsError(f"partition pool must be 'train' or 'all', got {pool!r}")
         k = int(partition["client_id"].max()) + 1
-        train, test = [], []
-        for cid in range(k):
-            rows = partition[partition["client_id"] == cid]
-            train.append(torch.tensor(rows.loc[rows["local_split"] == "train", "sample_id"].to_numpy(), device=device))
-            test.append(torch.tensor(rows.loc[rows["local_split"] == "test", "sample_id"].to_numpy(), device=device))
+        split_ids = {}
+        for s in ("train", "test", "val"):
+            split_ids[s] = [torch.tensor(rows.loc[rows["local_split"] == s, "sample_id"].to_numpy(), device=device,
+                                         dtype=torch.int64)
+                            for rows in (partition[partition["client_id"] == cid] for cid in range(k))]
+        train = split_ids["train"]
         hist = np.stack([np.bincount(data.labels[t.cpu().numpy()], minlength=data.num_classes) for t in train])
+        if pool == "all":
+            global_test = np.array([], dtype=np.int64)
+        else:
+            global_test = data.split_ids("test")
+            fitted = partition.loc[partition["local_split"].isin(["train", "val"]), "sample_id"].to_numpy()
+            clash = np.intersect1d(global_test, fitted)
+            if len(clash):
+                raise ParamsError(f"the partition table puts {len(clash)} official test samples (e.g. id {clash[0]}) "
+                                  "in clients' local train/val splits, so they cannot be the global test set: it was "
+                                  "built with pool: all, but the training job says pool train (re-run the partition "
+                                  "and train stages with the same params)")
         return cls(
             images=torch.as_tensor(data.images, device=device),
             labels=torch.as_tensor(data.labels, device=device),
             num_classes=data.num_classes,
-            global_test=torch.tensor(data.split_ids("test"), device=device),
+            global_test=torch.tensor(global_test, device=device, dtype=torch.int64),
             client_train=train,
-            client_test=test,
+            client_test=split_ids["test"],
             train_hist=torch.as_tensor(hist, dtype=torch.float32, device=device),
             device=device,
             norm=data.norm,
+            client_val=split_ids["val"],
+            transform=transform,
         )

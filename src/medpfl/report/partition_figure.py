@@ -56,7 +56,9 @@ def heatmap_figure(counts: dict, num_classes: int, class_names: Sequence[str] | 
     """The heat map as a matplotlib Figure (see :func:`partition_heatmap`); the caller closes it.
     Call it inside :func:`figure_style` for the reproducible look."""
     clients = sorted(counts, key=int)
-    mat = np.array([np.add(counts[c]["train"], counts[c]["test"]) for c in clients]).reshape(len(clients), num_classes)
+    # every local split of the client: train + test (+ val, with the ratios rule)
+    mat = np.array([np.sum([counts[c][s] for s in ("train", "test", "val") if s in counts[c]], axis=0)
+                    for c in clients]).astype(int).reshape(len(clients), num_classes)
     k = len(clients)
     labels = class_tick_labels(num_classes, class_names)
     named = any(not lab.isdigit() for lab in labels)
@@ -95,9 +97,10 @@ def figure_style():
 
 def partition_heatmap(counts: dict, num_classes: int, out: Path, title: str = "",
                       class_names: Sequence[str] | None = None) -> None:
-    """Write a PNG heat map of samples per (client, class), local train + test, annotated.
+    """Write a PNG heat map of samples per (client, class), local train + test (+ val), annotated.
 
-    counts: ``{client_id: {"train": [C], "test": [C]}}`` (:func:`client_class_counts`; keys
+    counts: ``{client_id: {"train": [C], "test": [C]}}``, plus ``"val": [C]`` where the
+    partition has local val splits (:func:`client_class_counts`; keys
     may be strings, as read back from ``client_stats.json``). class_names: the label names by
     class index (``client_stats.json``'s ``class_names``); None labels the classes by index.
     """
