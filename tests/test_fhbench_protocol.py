@@ -55,3 +55,38 @@ def test_best_val_client_acc_takes_the_test_accuracy_at_the_first_best_validatio
     assert s["best_val_client_acc_worst"] == pytest.approx(0.3)
     none = best_val_summary(pd.DataFrame([_rec(0, "local_after_training", 0, 0.5)]))
     assert all(math.isnan(v) for v in none.values())
+
+
+def _with_val(fed_data):
+    """fed_data with each client's local test split cut in two: the first half its validation split."""
+    from dataclasses import replace
+
+    halves = [(t[: len(t) // 2], t[len(t) // 2:]) for t in fed_data.client_test]
+    return replace(fed_data, client_val=[v for v, _ in halves], client_test=[t for _, t in halves])
+
+
+@pytest.mark.parametrize("method", ["fedavg", "local"])
+def test_validation_views_are_recorded_on_evaluation_rounds_only(fed_data, method):
+    from medpfl.config import EvalConfig
+    from medpfl.fl.engine import Engine
+    from medpfl.metrics import summarize_run
+    from tests.conftest import make_algo
+
+    data = _with_val(fed_data)
+    train = TrainConfig(rounds=3, participation=0.6, local_epochs=1, batch_size=16, checkpoint_every=0)
+    res = Engine(make_algo(method), data, train, EvalConfig(every=2), seed=1, fingerprint="val").run()
+    rec = res.records
+    lat, latv = rec[rec["view"] == "local_after_training"], rec[rec["view"] == "local_after_training_val"]
+    assert sorted(lat["round"].unique()) == [0, 1, 2] and sorted(latv["round"].unique()) == [1, 2]
+    # the same clients' same models: one val record per test record of an evaluation round
+    assert set(zip(latv["round"], latv["client_id"])) == set(zip(lat["round"], lat["client_id"])) - {
+        (0, c) for c in lat.loc[lat["round"] == 0, "client_id"]}
+    sizes = {c: len(v) for c, v in enumerate(data.client_val)}
+    assert all(row.n_samples == sizes[row.client_id] for row in latv.itertuples())
+    other = "global_on_val" if method == "fedavg" else "personalized_on_val"
+    assert sorted(rec.loc[rec["view"] == other, "round"].unique()) == [1, 2]
+    _, s = summarize_run(rec, res.rounds, data.num_clients, method == "fedavg", method == "local")
+    assert s["best_val_client_acc"] is not None and 0 <= s["best_val_client_acc"] <= 1
+    # without validation splits nothing of this is recorded
+    plain = Engine(make_algo(method), fed_data, train, EvalConfig(every=2), seed=1, fingerprint="val").run()
+    assert not plain.records["view"].str.endswith("_val").any()

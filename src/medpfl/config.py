@@ -618,7 +618,8 @@ class Params(_Strict):
     def method_train(self, name: str) -> TrainConfig:
         """The ``train`` section for one method's runs: the study's, with the method's own
         ``method_params.<name>.train`` overrides merged in (a mapping merges key by key; a new
-        ``model`` without ``model_args`` starts from that model's defaults).
+        ``model`` starts from that model's defaults, with the variant's own ``model_args`` if it
+        gives any: another model's arguments are never merged in).
 
         Raises :class:`ParamsError` naming ``method_params.<name>.train.<key>``."""
         over = (self.method_params.get(name) or {}).get("train")
@@ -627,7 +628,7 @@ class Params(_Strict):
         if not isinstance(over, dict):
             raise ParamsError(f"method_params.{name}.train: expected a mapping of train keys, got {over!r}")
         base = self.train.model_dump()
-        if "model" in over and "model_args" not in over:
+        if "model" in over and over["model"] != base.get("model"):
             base.pop("model_args", None)
         try:
             return TrainConfig.model_validate(deep_merge(base, over))
