@@ -211,6 +211,8 @@ def test_cost_table_and_conditional_columns(runs: list[Path], tmp_path: Path) ->
     assert cost["fedavg"][head.index("MB per round vs fedavg")] == "1.000"
     up = (s1["mb_up_per_round"] + s2["mb_up_per_round"]) / 2
     assert cost["fedkper"][head.index("MB up per round")] == f"{up:.3f}"
+    comp = (s1["compression_ratio"] + s2["compression_ratio"]) / 2  # uploads over their dense size
+    assert cost["fedkper"][head.index("Upload / dense")] == f"{comp:.4f}"
     for run in runs:  # no validation splits anywhere: the column goes
         m = json.loads((run / "metrics.json").read_text())
         m["summary"]["best_val_client_acc"] = None

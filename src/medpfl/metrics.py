@@ -106,6 +106,13 @@ def _nanstat(fn, x) -> float:
     return float(fn(x)) if len(x) else float("nan")
 
 
+def _dense_up(rounds: pd.DataFrame) -> np.ndarray:
+    """The round log's ``bytes_up_dense`` as float (NaN where not recorded: runs made before it was)."""
+    if "bytes_up_dense" not in rounds:
+        return np.full(len(rounds), np.nan)
+    return pd.to_numeric(rounds["bytes_up_dense"], errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
+
+
 def best_val_summary(records: pd.DataFrame) -> dict[str, float]:
     """The FHBench protocol (spec B.2.4, B.7): per client, the test accuracy of the model it had
     right after local training at the evaluation round where that model's validation accuracy
@@ -188,6 +195,13 @@ def summarize_run(records: pd.DataFrame, rounds: pd.DataFrame, num_clients: int,
 
     for col in ("bytes_up", "bytes_down", "train_seconds", "eval_seconds", "round_seconds"):
         per[col] = rounds[col].to_numpy()
+    # Compression ratio of the round's uploads: bytes sent / the same uploads sent dense (1 for a
+    # method that sends its tensors as they are; NaN where nothing is sent or the dense size was
+    # not recorded).
+    per["bytes_up_dense"] = _dense_up(rounds)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        per["compression_ratio"] = np.where(per["bytes_up_dense"] > 0,
+                                            per["bytes_up"] / per["bytes_up_dense"], np.nan)
     per["cum_seconds"] = per["round_seconds"].cumsum()
 
     s: dict[str, float] = {"rounds": int(len(r_all)), "num_clients": int(num_clients)}
@@ -244,6 +258,7 @@ def summarize_run(records: pd.DataFrame, rounds: pd.DataFrame, num_clients: int,
     s["mb_per_round"] = float((rounds["bytes_up"] + rounds["bytes_down"]).mean() / 1e6)
     s["mb_up_per_round"] = float(rounds["bytes_up"].mean() / 1e6)
     s["mb_down_per_round"] = float(rounds["bytes_down"].mean() / 1e6)
+    s["compression_ratio"] = _nanstat(np.mean, per["compression_ratio"])
     s["peak_memory_mb"] = (float(rounds["peak_memory_bytes"].max() / 1e6) if "peak_memory_bytes" in rounds
                            and rounds["peak_memory_bytes"].notna().any() else float("nan"))
     s.update(best_val_summary(records))

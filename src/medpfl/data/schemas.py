@@ -122,6 +122,10 @@ class RoundLog(pa.DataFrameModel):
     num_sampled: Series[int] = pa.Field(ge=1)
     bytes_up: Series[int] = pa.Field(ge=0)
     bytes_down: Series[int] = pa.Field(ge=0)
+    #: the same uploads counted dense (every compressed leaf at the size of the full tensor it
+    #: encodes; bytes_up / bytes_up_dense is the round's compression ratio); absent in runs made
+    #: before it was recorded, null in the earlier rounds of a run resumed from such a checkpoint
+    bytes_up_dense: Optional[Series[pd.Int64Dtype]] = pa.Field(ge=0, nullable=True)
     train_seconds: Series[float] = pa.Field(ge=0.0)
     eval_seconds: Series[float] = pa.Field(ge=0.0)
     round_seconds: Series[float] = pa.Field(ge=0.0)

@@ -38,7 +38,7 @@ from medpfl.data.schemas import EvalRecords, RoundLog, validate
 from medpfl.fl.data import FederatedData
 from medpfl.fl.evaluation import eval_groups, records_from_counts
 from medpfl.fl.functional import Params, model_state
-from medpfl.fl.payload import UploadSpecError, check_upload, payload_nbytes
+from medpfl.fl.payload import UploadSpecError, check_upload, payload_dense_nbytes, payload_nbytes
 from medpfl.fl.program import Download, Phase, RoundInfo
 from medpfl.fl.sampling import client_schedule, seeded_cpu_rng
 from medpfl.fl.tree import tree_index, tree_leaves, tree_scatter, tree_stack
@@ -229,6 +229,7 @@ class Engine:
                 "sampled_clients": " ".join(map(str, clients.tolist())),
                 "num_sampled": m,
                 "bytes_up": payload_nbytes(uploads),
+                "bytes_up_dense": payload_dense_nbytes(uploads),  # the same uploads uncompressed
                 "bytes_down": (k if down.to_all else len(trainers)) * payload_nbytes(down.shared)
                 + payload_nbytes(down.per_client),
                 "train_seconds": t1 - t0,

@@ -5,7 +5,9 @@ Uploads are checked against the method's :meth:`~medpfl.algorithms.base.Algorith
 every key must be declared and every leaf must have its declared shape (plus the leading client
 dim m), so raw images, labels or any per-sample tensor cannot pass. Byte counts are what is
 actually sent: ``numel * element_size`` per tensor, and for a :class:`LowRank` leaf only the
-``rank`` leading singular triplets (``rank * (P + Q + 1)`` numbers) plus the rank itself.
+``rank`` leading singular triplets (``rank * (P + Q + 1)`` numbers) plus the rank itself;
+:func:`payload_dense_nbytes` counts the same payload with every compressed leaf at the size of
+the full tensor it encodes (the denominator of the compression ratio).
 """
 
 from __future__ import annotations
@@ -108,6 +110,22 @@ def payload_nbytes(obj: Any) -> int:
     if obj is None:
         return 0
     raise TypeError(f"payload holds an object of type {type(obj).__name__}; only tensors and numbers may cross")
+
+
+def payload_dense_nbytes(obj: Any) -> int:
+    """Bytes the same payload would take sent dense: a :class:`LowRank` leaf counts, per matrix,
+    the full ``P Q`` numbers of the tensor it encodes (no rank); every other leaf as
+    :func:`payload_nbytes` counts it. ``payload_nbytes(x) / payload_dense_nbytes(x)`` is the
+    compression ratio of ``x`` (1 for a payload without compressed leaves; slightly above 1 where
+    every matrix is sent dense, the ranks being sent too)."""
+    if isinstance(obj, LowRank):
+        p, q = obj.u.shape[-2], obj.vh.shape[-1]
+        return int(obj.rank.reshape(-1).numel()) * p * q * obj.u.element_size()
+    if isinstance(obj, dict):
+        return sum(payload_dense_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(payload_dense_nbytes(v) for v in obj)
+    return payload_nbytes(obj)
 
 
 # ----- upload specs ----------------------------------------------------------------------------

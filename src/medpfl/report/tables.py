@@ -53,7 +53,7 @@ SUMMARY_KEYS = (
     "final10_client_acc_mean",
     "final_local_models_on_global_test", "best_val_client_acc", "best_val_client_acc_worst",
     "bytes_up_total", "bytes_down_total", "mb_per_round", "mb_up_per_round", "mb_down_per_round",
-    "trainable_params", "frozen_params", "peak_memory_mb", "seconds_per_round", "train_seconds_per_round", "eval_seconds_per_round", "wall_seconds",
+    "compression_ratio", "trainable_params", "frozen_params", "peak_memory_mb", "seconds_per_round", "train_seconds_per_round", "eval_seconds_per_round", "wall_seconds",
     "rounds", "num_clients", "last_round",
 )
 
@@ -106,7 +106,10 @@ COST_CAPTION = (
     "Per method, the mean over seeds. Trainable / frozen: parameter elements the clients train and the frozen "
     "backbone they share (one copy, never sent). MB up / down per round: what the clients send and receive in one "
     "round, all clients together, as sent (compressed where a method compresses); “vs {reference}”: the ratio of "
-    "MB per round (up + down) to the reference method's. Peak memory: the training process's peak, CUDA memory "
+    "MB per round (up + down) to the reference method's. Upload / dense: the uploads' bytes over the same uploads sent "
+    f"uncompressed, mean over rounds (1 for a method that sends its tensors as they are, {NULL} where nothing is sent; "
+    "FedMIC's paper: 11.49 %). "
+    "Peak memory: the training process's peak, CUDA memory "
     "allocated by tensors on a GPU, else the process's resident set size (interpreter and libraries included). "
     f"{NULL} = not recorded."
 )
@@ -313,8 +316,9 @@ def _count_cell(x: float | None) -> str:
 
 def cost_table(methods: dict[str, list[Run]], reference: str | None = None) -> tuple[pd.DataFrame, str]:
     """Per method: trainable and frozen parameters, MB per round up and down, the ratio of MB per
-    round to the reference method (``report.reference``; :func:`resolve_reference`) and the peak
-    memory (means over seeds). Returns ``(table, reference)``."""
+    round to the reference method (``report.reference``; :func:`resolve_reference`), the uploads'
+    compression ratio (``compression_ratio``) and the peak memory (means over seeds). Returns
+    ``(table, reference)``."""
     ref = resolve_reference(list(methods), reference)
     ref_mb = seed_mean(methods[ref], "mb_per_round")
     ratio_col = f"MB per round vs {ref}"
@@ -328,6 +332,7 @@ def cost_table(methods: dict[str, list[Run]], reference: str | None = None) -> t
                      "MB up per round": _fmt(seed_mean(runs, "mb_up_per_round"), 3),
                      "MB down per round": _fmt(seed_mean(runs, "mb_down_per_round"), 3),
                      ratio_col: NULL if mb is None or not ref_mb else f"{mb / ref_mb:.3f}",
+                     "Upload / dense": _fmt(seed_mean(runs, "compression_ratio"), 4),
                      "Peak memory MB": NULL if peak is None else f"{peak:,.0f}"})
     return pd.DataFrame(rows), ref
 
