@@ -138,6 +138,8 @@ def test_job_json_mlflow_and_metrics_carry_the_environment(job_dir):
     assert fingerprint(job) == before  # the job description given is untouched
     written = json.loads((out / "job.json").read_text())
     env = written.pop("environment")
+    size = written.pop("model_size")  # and the model's parameter counts (cnn4: every parameter trains)
+    assert size["frozen"] == 0 and size["trainable"] == size["total"] > 0
     assert written == json.loads(json.dumps(job))  # job.json = the job description + the environment
     assert env["device"] == "cpu" and env["torch_threads"] == torch.get_num_threads() and len(env["id"]) == 12
 
