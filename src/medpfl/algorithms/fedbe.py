@@ -8,7 +8,7 @@ Server, every round, from the m uploaded models w_1..w_m (weights a_k = n_k / Σ
 
 1. the FedAvg mean w̄ = Σ a_k w_k;
 2. a Gaussian fitted to the client models, and M models sampled from it (``gaussian``):
-   ``paper`` (Sec. 4.2): N(μ, diag σ²) with μ = Σ a_k w_k and σ² = Σ a_k (w_k − μ)², per
+   ``paper`` (Sec. 4): N(μ, diag σ²) with μ = Σ a_k w_k and σ² = Σ a_k (w_k − μ)², per
    entry; a sample is μ + s σ ε, ε ~ N(0, I), s = ``var_scale``. ``code`` (``swag.py``
    ``SWAG_server``, mode ``gaussian``): per tensor, the clients' updates from the model sent
    this round, d_k = w_k − w_sent, are normalised, u_k = d_k / ‖d_k‖; μ_u and σ²_u are their
@@ -63,7 +63,7 @@ class FedBEConfig(MethodConfig):
     where it does not. The FedMIC paper ("uniform baseline parameters as reported in the original
     publications", A.9) adds none; its local training is the study's ``train`` section."""
 
-    num_samples: int = Field(10, ge=0, description="M, models sampled from the Gaussian (paper Sec. 5: M = 10; "
+    num_samples: int = Field(10, ge=0, description="M, models sampled from the Gaussian (paper's experiments: M = 10; "
                                                    "code --num_sample_teacher 10)")
     include_mean: bool = Field(True, description="the FedAvg mean w̄ is an ensemble member (paper Alg. 1; code: "
                                                  "added unless --dont_add_fedavg)")
@@ -91,7 +91,7 @@ class FedBEConfig(MethodConfig):
                               "hard-coded; its --server_lr 0.01 is unused)")
     distill_momentum: float = Field(0.9, ge=0.0, lt=1.0, description="server SGD momentum (code set_opt: 0.9)")
     distill_weight_decay: float = Field(1e-5, ge=0.0, description="server SGD weight decay (code set_opt: 1e-5)")
-    swa: bool = Field(True, description="send the SWA average of the distillation iterates (paper Sec. 4.3: SWA "
+    swa: bool = Field(True, description="send the SWA average of the distillation iterates (paper Sec. 4: SWA "
                       "for distillation; code --use_SWA, off by default) instead of the last iterate")
     swa_start: int = Field(500, ge=0, description="SWA averages after step swa_start (code SWA(swa_start=500)); "
                            "steps counted over the round's distillation")
