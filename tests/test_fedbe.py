@@ -198,3 +198,13 @@ def test_scrambled_server_labels_change_nothing(fed_data):
     assert runs[0].records.equals(runs[1].records)
     assert_trees_close(runs[0].server, runs[1].server, atol=0)
     assert_trees_close(runs[0].client_states, runs[1].client_states, atol=0)
+
+
+def test_train_stage_names_the_partition_key(tmp_path):
+    from medpfl.train import run_training
+    from tests.conftest import prepare_train_job
+
+    job, _ = prepare_train_job(tmp_path, method="fedbe", mlflow=False)
+    with pytest.raises(ParamsError, match=r"partitions\.p\.server_data"):
+        run_training(job, tmp_path / "arrays.npz", tmp_path / "samples.parquet", tmp_path / "partition.parquet",
+                     tmp_path / "run")

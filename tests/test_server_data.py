@@ -112,3 +112,28 @@ def test_draw_is_seeded(synthetic_processed):
     c = _build(synthetic_processed, seed=2, server_data={"count": 10})
     ids = [x.loc[x["local_split"] == "server", "sample_id"].to_numpy() for x in (a, b, c)]
     assert np.array_equal(ids[0], ids[1]) and not np.array_equal(ids[0], ids[2])
+
+
+def test_partition_stage_writes_server_rows_and_stats(tmp_path, capsys):
+    import json
+
+    from medpfl.cli import main
+    from medpfl.data.preprocess import preprocess
+    from medpfl.data.synthetic import write_synthetic_npz
+    from medpfl.io import read_json, read_parquet
+
+    write_synthetic_npz(tmp_path / "s.npz", 4, 3, 28, (200, 30, 40), seed=3)
+    preprocess(tmp_path / "s.npz", tmp_path / "a.npz", tmp_path / "s.parquet", 4, 3)
+    for name, extra in (("plain", {}), ("srv", {"server_data": {"source": "val", "count": 12}})):
+        cfg = PartitionConfig(num_clients=3, alpha=1.0, **extra).model_dump()
+        job = json.dumps({"dataset": "s", "name": name, "config": cfg})
+        assert main(["partition", "--job", job, "--arrays", str(tmp_path / "a.npz"), "--samples",
+                     str(tmp_path / "s.parquet"), "--out-dir", str(tmp_path / name)]) == 0
+    out = capsys.readouterr().out
+    assert "3 clients" in out and "server data 12 unlabeled samples" in out
+    plain, srv = (read_parquet(tmp_path / n / "partition.parquet") for n in ("plain", "srv"))
+    assert (srv["local_split"] == "server").sum() == 12
+    pd.testing.assert_frame_equal(srv[srv["client_id"] >= 0].reset_index(drop=True), plain)
+    stats = read_json(tmp_path / "srv" / "client_stats.json")
+    assert sum(stats["server"]) == 12 and set(stats["clients"]) == {"0", "1", "2"}
+    assert "server" not in read_json(tmp_path / "plain" / "client_stats.json")
