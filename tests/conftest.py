@@ -41,21 +41,28 @@ def synthetic_processed(tmp_path_factory):
     return load_processed(d / "arrays.npz", d / "samples.parquet")
 
 
-def make_fed_data(processed, num_clients=5, alpha=0.5, seed=1, min_samples=20):
+def make_fed_data(processed, num_clients=5, alpha=0.5, seed=1, min_samples=20, server_data=None):
+    """server_data: ``partitions.<name>.server_data`` (e.g. ``{"count": 20}``), None for none; with
+    the train pool the clients' partition is the same either way (the server's draw has its own
+    stream)."""
     from medpfl.config import PartitionConfig
     from medpfl.data.partition import build_partition
     from medpfl.fl.data import FederatedData
 
     pool = processed.samples[processed.samples["split"] == "train"]
-    cfg = PartitionConfig(num_clients=num_clients, alpha=alpha, seed=seed, min_samples=min_samples)
-    table = build_partition(pool["sample_id"].to_numpy(), pool["label"].to_numpy(), cfg, "t")
+    val = processed.samples[processed.samples["split"] == "val"]
+    cfg = PartitionConfig(num_clients=num_clients, alpha=alpha, seed=seed, min_samples=min_samples,
+                          server_data=server_data)
+    table = build_partition(pool["sample_id"].to_numpy(), pool["label"].to_numpy(), cfg, "t",
+                            val=(val["sample_id"].to_numpy(), val["label"].to_numpy()))
     return FederatedData.build(processed, table, torch.device("cpu"))
 
 
 @pytest.fixture(scope="session")
 def fed_data(synthetic_processed):
-    """5 clients, Dirichlet(0.5), on the synthetic set, on the CPU."""
-    return make_fed_data(synthetic_processed)
+    """5 clients, Dirichlet(0.5), on the synthetic set, on the CPU; the server holds 20 unlabeled
+    samples of the val split (``server_data: {count: 20}``; only FedBE reads them)."""
+    return make_fed_data(synthetic_processed, server_data={"count": 20})
 
 
 def make_algo(name, num_classes=4, model="cnn4", model_args=None, in_channels=3, image_size=28, **overrides):

@@ -47,7 +47,7 @@ def cmd_preprocess(a) -> None:
 
 def cmd_partition(a) -> None:
     from medpfl.config import PartitionConfig
-    from medpfl.data.partition import build_partition, client_class_counts, partition_pool
+    from medpfl.data.partition import build_partition, client_class_counts, partition_pool, server_class_counts
     from medpfl.data.preprocess import load_processed
     from medpfl.io import write_json, write_parquet
 
@@ -59,19 +59,25 @@ def cmd_partition(a) -> None:
     if "natural_client" in pool.columns:  # a generated federated set carries its own clients
         natural = (pool["natural_client"].to_numpy(), pool["natural_split"].to_numpy())
     test = data.samples[data.samples["split"] == "test"]  # for local_test.rule official_test
+    val = data.samples[data.samples["split"] == "val"]  # for server_data
     table = build_partition(pool["sample_id"].to_numpy(), pool["label"].to_numpy(), cfg, job["name"], natural=natural,
-                            official_test=(test["sample_id"].to_numpy(), test["label"].to_numpy()))
+                            official_test=(test["sample_id"].to_numpy(), test["label"].to_numpy()),
+                            val=(val["sample_id"].to_numpy(), val["label"].to_numpy()))
     out = Path(a.out_dir)
     write_parquet(out / "partition.parquet", table)
     counts = client_class_counts(table, data.num_classes)
     names = list(data.class_names) if data.class_names is not None else None
+    server = server_class_counts(table, data.num_classes)  # None (and no key) without server data
     write_json(out / "client_stats.json", {"dataset": job["dataset"], "partition": job["name"], "config": job["config"],
-                                           "num_classes": data.num_classes, "class_names": names, "clients": counts})
-    sizes = table.groupby("client_id").size()
+                                           "num_classes": data.num_classes, "class_names": names, "clients": counts,
+                                           **({"server": server} if server is not None else {})})
+    sizes = table[table["client_id"] >= 0].groupby("client_id").size()
     split_totals = ""
     if (table["local_split"] == "val").any():
         totals = table.groupby("local_split").size()
         split_totals = " (local " + ", ".join(f"{s_} {int(totals.get(s_, 0))}" for s_ in ("train", "test", "val")) + ")"
+    if server is not None:
+        split_totals += f"; server data {sum(server)} unlabeled samples from the val split"
     print(f"{job['dataset']}/{job['name']}: {len(sizes)} clients, sizes {sizes.min()}..{sizes.max()}{split_totals}")
 
 

@@ -111,6 +111,32 @@ class LocalTestConfig(_Strict):
         return out
 
 
+class ServerDataConfig(_Strict):
+    """Unlabeled data held by the server (FedBE's distillation set), drawn from the data set's
+    official **validation** split and kept out of every client.
+
+    Exactly one of ``fraction`` (in (0, 1]: ``floor(fraction * N_val)`` samples, exact on the
+    decimal value) and ``count`` (a number of samples, at most N_val). The draw is
+    ``choice(N_val, m, replace=False)`` from its own ``RandomState`` seeded with ``[seed, 1]``
+    (the partition's seed; ``init_by_array``), so the clients' draws are those of the same
+    partition without server data when the pool is the train split; with ``pool: all`` the
+    drawn samples are removed from the pool before ``data_fraction`` and the partitioner run.
+    The rows are stored in the partition table with ``client_id = -1`` and ``local_split =
+    "server"``; their labels are kept in the table (statistics) but never reach a method: the
+    server sees the images only (``docs/contract.md``, server data)."""
+
+    source: Literal["val"] = Field("val", description="the official split the server data come from (only val: "
+                                                      "train belongs to the clients, test is the global test set)")
+    fraction: float | None = Field(None, gt=0.0, le=1.0, description="share of the val split held by the server")
+    count: int | None = Field(None, ge=1, description="number of val samples held by the server")
+
+    @model_validator(mode="after")
+    def _one_size(self) -> "ServerDataConfig":
+        if (self.fraction is None) == (self.count is None):
+            raise ValueError("give exactly one of fraction (a share of the val split) or count (a number of samples)")
+        return self
+
+
 class PartitionConfig(_Strict):
     """One named partition of a data set's official train split over ``num_clients`` clients.
 
@@ -183,6 +209,12 @@ class PartitionConfig(_Strict):
       m, replace=False)``, kept in the drawn order, as FHBench's ``datapercent``: 0.2 for
       OrganA/C/S), and only it is partitioned. The partition draws continue from the same
       RandomState. 1.0 (default) draws nothing.
+
+    server_data:
+      null (default): none. ``{source: val, fraction: f}`` or ``{source: val, count: m}``:
+      unlabeled server data (FedBE's distillation set) held out of the official val split
+      (:class:`ServerDataConfig`); with ``pool: all`` they are removed from the pool first. A
+      data set without a val split stops the partition naming the key.
     """
 
     scheme: Literal["dirichlet", "iid", "pathological", "shards", "per_client_dirichlet", "natural",
@@ -216,6 +248,8 @@ class PartitionConfig(_Strict):
     local_test: LocalTestConfig = LocalTestConfig()
     datasets: list[str] | None = Field(None, description="the data sets this partition applies to (those of "
                                                          "data.datasets among them); null = all")
+    server_data: ServerDataConfig | None = Field(None, description="unlabeled server data held out of the val "
+                                                                   "split (FedBE); null = none")
 
     @model_validator(mode="before")
     @classmethod
@@ -282,12 +316,12 @@ class PartitionConfig(_Strict):
     def _drop_later_defaults(self, handler):
         """Keys added after partitions existed are not dumped at their default
         (``shards_per_client`` unset, ``pair_sizes: equal``, ``pool: train``, ``data_fraction:
-        1``), so the job descriptions and ``client_stats.json`` of earlier partitions stay as they
+        1``, no ``server_data``), so the job descriptions and ``client_stats.json`` of earlier partitions stay as they
         were; a non-default value is dumped and re-runs the partition it applies to."""
         out = handler(self)
         if isinstance(out, dict):
             for key, default in (("shards_per_client", None), ("pair_sizes", "equal"), ("pool", "train"),
-                                 ("data_fraction", 1.0)):
+                                 ("data_fraction", 1.0), ("server_data", None)):
                 if key in out and out[key] == default:
                     out.pop(key)
         return out

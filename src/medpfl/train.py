@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from medpfl.algorithms import resolve_method
-from medpfl.config import EvalConfig, TrainConfig
+from medpfl.config import EvalConfig, ParamsError, TrainConfig
 from medpfl.data.partition import PartitionError
 from medpfl.data.preprocess import load_processed
 from medpfl.data.schemas import SharedPartitionTable, validate
@@ -114,6 +114,10 @@ def run_training(job: dict, arrays: Path, samples: Path, partition_table: Path, 
     template = template_on(template, device)  # a frozen backbone stays real: one shared copy on the device
     _write_job(out_dir, job, env, earlier, counts)
     algo = algo_cls(mcfg, make_forward(template), fdata.num_classes)
+    if algo.uses_server_data and not fdata.has_server_data:
+        raise ParamsError(f"method {job['method']!r} ({algo.name}) distils on unlabeled server data and partition "
+                          f"{job['partition']!r} has none: set partitions.{job['partition']}.server_data (e.g. "
+                          "{source: val, fraction: 0.5}) and re-run the partition stage")
 
     logger = None
     callbacks = []

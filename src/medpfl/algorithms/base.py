@@ -35,6 +35,10 @@ one calls them plainly, so write them for one client with tensor ops only):
     client's state is not changed.
   - ``predict(model, x)``: logits of an evaluated model (FedRoD's two heads, APFL's mixture).
 
+**Server data**: a method with ``uses_server_data = True`` reads the partition's unlabeled server
+images in its server hooks from ``self.server_data`` (``len``, ``x(pos)``; set by the engine;
+FedBE's distillation set); every other method sees None.
+
 **Capabilities** (properties; may depend on the config): ``aggregates`` (the server combines
 uploads), ``has_global_model`` (there is one global model to score on the global test set),
 ``personalized`` (clients keep models of their own), ``stackable`` (the client hooks run under
@@ -49,7 +53,7 @@ clients in schedule order). ``info`` holds per client: ``client`` (int64 scalar)
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -58,6 +62,9 @@ from pydantic import BaseModel, ConfigDict
 from medpfl.fl.functional import FunctionalModel, Params, weighted_average, weighted_ce
 from medpfl.fl.payload import ArraySpec, Spec, TreeSpec
 from medpfl.fl.program import Download, Pass, Phase, RoundInfo
+
+if TYPE_CHECKING:
+    from medpfl.fl.data import ServerData
 
 
 class MethodConfig(BaseModel):
@@ -94,11 +101,20 @@ class Algorithm:
     #: pick a model that has them (``tests/test_contract.py``) and expect that error on the
     #: others (``tests/test_models.py``).
     requires_parts: ClassVar[tuple[str, ...]] = ()
+    #: True: the server hooks use the partition's unlabeled server data
+    #: (``partitions.<name>.server_data``, a held-out part of the official val split). The
+    #: engine then sets :attr:`server_data` before the run (and stops, naming the key, when the
+    #: partition has none); False (default): :attr:`server_data` stays None. The client hooks
+    #: never see server data, whatever the flag.
+    uses_server_data: ClassVar[bool] = False
 
     def __init__(self, cfg: MethodConfig, forward: FunctionalModel, num_classes: int):
         self.cfg = cfg
         self.forward = forward
         self.num_classes = num_classes
+        #: the server's unlabeled images (:class:`~medpfl.fl.data.ServerData`: ``len``, ``x(pos)``;
+        #: no labels), set by the engine for a method with ``uses_server_data``; else None
+        self.server_data: ServerData | None = None
 
     # ----- capabilities --------------------------------------------------------------------
     @property

@@ -39,8 +39,8 @@ from fractions import Fraction
 import numpy as np
 import pandas as pd
 
-from medpfl.config import LocalTestConfig, PartitionConfig
-from medpfl.data.schemas import PartitionTable, SharedPartitionTable, validate
+from medpfl.config import LocalTestConfig, PartitionConfig, ServerDataConfig
+from medpfl.data.schemas import SERVER_CLIENT, PartitionTable, SharedPartitionTable, validate
 
 
 class PartitionError(ValueError):
@@ -712,9 +712,34 @@ def fraction_size(fraction: float, n: int) -> int:
     return int(math.floor(Fraction(repr(float(fraction))) * n))
 
 
+def draw_server_data(val_ids: np.ndarray, val_labels: np.ndarray, cfg: ServerDataConfig, seed: int,
+                     key: str = "partitions.<name>.server_data") -> tuple[np.ndarray, np.ndarray]:
+    """The server's unlabeled samples (``partitions.<name>.server_data``): ``m`` of the official
+    val split's ``N_val`` samples, ``m = floor(fraction * N_val)`` (exact on the decimal value)
+    or ``count``, drawn by ``RandomState([seed, 1]).choice(N_val, m, replace=False)`` (its own
+    stream: the partition's draws are untouched) and kept in the drawn order.
+
+    val_ids, val_labels: int64 [N_val], the val split in sample-table order. Returns ``(ids,
+    labels)`` int64 [m]. Raises PartitionError naming ``key`` when the data set has no val split
+    or ``m`` is 0 or more than N_val."""
+    val_ids, val_labels = np.asarray(val_ids, dtype=np.int64), np.asarray(val_labels, dtype=np.int64)
+    n = len(val_ids)
+    if n == 0:
+        raise PartitionError(f"{key}: source {cfg.source!r}, but this data set has no {cfg.source} split; remove "
+                             f"{key}")
+    m = fraction_size(cfg.fraction, n) if cfg.fraction is not None else int(cfg.count)
+    if m < 1:
+        raise PartitionError(f"{key}.fraction={cfg.fraction} keeps no sample of the {n} {cfg.source} samples; raise it")
+    if m > n:
+        raise PartitionError(f"{key}.count={m} exceeds the {n} samples of the {cfg.source} split; lower {key}.count")
+    pick = np.random.RandomState([int(seed), 1]).choice(n, m, replace=False)
+    return val_ids[pick], val_labels[pick]
+
+
 def build_partition(pool_ids: np.ndarray, pool_labels: np.ndarray, cfg: PartitionConfig, name: str = "<name>",
                     natural: tuple[np.ndarray, np.ndarray] | None = None,
-                    official_test: tuple[np.ndarray, np.ndarray] | None = None) -> pd.DataFrame:
+                    official_test: tuple[np.ndarray, np.ndarray] | None = None,
+                    val: tuple[np.ndarray, np.ndarray] | None = None) -> pd.DataFrame:
     """Partition the pool and split each client; return the validated table.
 
     pool_ids: int64 [N] sample ids of the pool (the official train split, or with ``pool: all``
@@ -726,6 +751,9 @@ def build_partition(pool_ids: np.ndarray, pool_labels: np.ndarray, cfg: Partitio
     used by ``local_test.rule: official_test`` only (:func:`split_official_test`); the local
     test rows then carry official-test sample ids (ids are unique across splits in the sample
     table, so the training stage finds them in the same arrays).
+    val: ``(sample ids int64 [N_val], labels int64 [N_val])`` of the official val split, used by
+    ``server_data`` only (:func:`draw_server_data`); with ``pool: all`` the server's samples are
+    removed from the pool before anything else is drawn.
 
     All draws come from one ``RandomState(cfg.seed)``: first, with ``data_fraction < 1``, the
     subset ``choice(N, floor(data_fraction * N), replace=False)`` of the pool (kept in the drawn
@@ -736,12 +764,23 @@ def build_partition(pool_ids: np.ndarray, pool_labels: np.ndarray, cfg: Partitio
     disjoint schemes one row per pool sample (after ``data_fraction``; ``dirichlet_pairs``
     with equal sizes leaves out fewer than K), plus, with ``official_test``, one per assigned
     official test sample; for ``per_client_dirichlet`` one row per (client, sample), a sample
-    possibly in several clients (:class:`SharedPartitionTable`).
+    possibly in several clients (:class:`SharedPartitionTable`). With ``server_data``, the
+    server's samples follow as rows with ``client_id = -1`` and ``local_split = "server"``;
+    without it the table is exactly what it was before server data existed.
     Raises PartitionError naming the ``partitions.<name>`` key.
     """
     key = f"partitions.{name}"
     pool_ids, pool_labels = np.asarray(pool_ids), np.asarray(pool_labels)
     test_ids = test_labels = None
+    server = None
+    if cfg.server_data is not None:
+        server = draw_server_data(*(val if val is not None else ([], [])), cfg.server_data, cfg.seed,
+                                  key=f"{key}.server_data")
+        held = np.isin(pool_ids, server[0])
+        if held.any() and cfg.pool != "all":
+            raise PartitionError(f"{key}.server_data: {int(held.sum())} server samples are in the {cfg.pool} pool "
+                                 "(internal error)")
+        pool_ids, pool_labels = pool_ids[~held], pool_labels[~held]
     if cfg.scheme == "natural":
         if cfg.pool != "train" or cfg.data_fraction != 1.0:
             raise PartitionError(f"{key}: pool and data_fraction do not apply to scheme: natural")
@@ -776,7 +815,15 @@ def build_partition(pool_ids: np.ndarray, pool_labels: np.ndarray, cfg: Partitio
             val = rest[0]
             rows.append(pd.DataFrame({"sample_id": pool_ids[val], "client_id": cid, "local_split": "val",
                                       "label": pool_labels[val]}))
+    if server is not None:
+        rows.append(pd.DataFrame({"sample_id": server[0], "client_id": SERVER_CLIENT, "local_split": "server",
+                                  "label": server[1]}))
     table = pd.concat(rows, ignore_index=True)
+    n_server = 0 if server is None else len(server[0])
+    if n_server:
+        in_clients = table.loc[table["client_id"] != SERVER_CLIENT, "sample_id"]
+        if np.isin(server[0], in_clients.to_numpy()).any():
+            raise PartitionError(f"{key}.server_data: a server sample is also a client's (internal error)")
     if cfg.scheme in OVERLAPPING_SCHEMES:
         return validate(SharedPartitionTable, table, f"partition {name}")
     table = validate(PartitionTable, table, f"partition {name}")
@@ -784,7 +831,7 @@ def build_partition(pool_ids: np.ndarray, pool_labels: np.ndarray, cfg: Partitio
                     for s in splits)
     if from_pool != len(pool_ids) and cfg.scheme not in INCOMPLETE_SCHEMES:
         raise PartitionError(f"{key}: {from_pool} of {len(pool_ids)} pool samples assigned (internal error)")
-    expected = from_pool + (0 if test_ids is None else sum(len(s[1]) for s in splits))
+    expected = from_pool + (0 if test_ids is None else sum(len(s[1]) for s in splits)) + n_server
     if len(table) != expected:
         raise PartitionError(f"{key}: {len(table)} rows for {from_pool} pool samples"
                              f"{'' if test_ids is None else ' and their official test shares'} (internal error)")
@@ -817,12 +864,22 @@ def _natural_splits(pool_labels: np.ndarray, cfg: PartitionConfig, natural, key:
 def client_class_counts(table: pd.DataFrame, num_classes: int) -> dict:
     """Per-client class counts of local train and local test: ``{client: {"train": [C], "test":
     [C]}}``, plus ``"val": [C]`` for every client when the table has local val rows (the
-    ``ratios`` rule); without val rows the result is exactly as before val splits existed."""
+    ``ratios`` rule); without val rows the result is exactly as before val splits existed. The
+    server's rows (``client_id = -1``) are not a client's: :func:`server_class_counts`."""
     splits = ("train", "test", "val") if (table["local_split"] == "val").any() else ("train", "test")
     out = {}
-    for cid, grp in table.groupby("client_id", sort=True):
+    for cid, grp in table[table["client_id"] != SERVER_CLIENT].groupby("client_id", sort=True):
         out[int(cid)] = {
             split: np.bincount(grp.loc[grp["local_split"] == split, "label"], minlength=num_classes).tolist()
             for split in splits
         }
     return out
+
+
+def server_class_counts(table: pd.DataFrame, num_classes: int) -> list[int] | None:
+    """Class counts of the server's unlabeled samples (``client_id = -1``; statistics of the
+    partition only, never given to a method), or None when the table has none."""
+    rows = table[table["client_id"] == SERVER_CLIENT]
+    if rows.empty:
+        return None
+    return np.bincount(rows["label"], minlength=num_classes).tolist()

@@ -16,8 +16,10 @@ import pandera.pandas as pa  # noqa: E402
 from pandera.typing import Series  # noqa: E402
 
 SPLITS = ["train", "val", "test"]
-# a client's local splits in a partition table: val only with the ``ratios`` local rule
-LOCAL_SPLITS = ["train", "test", "val"]
+# a client's local splits in a partition table: val only with the ``ratios`` local rule; "server":
+# the server's unlabeled data (``partitions.<name>.server_data``), on rows with client_id -1
+LOCAL_SPLITS = ["train", "test", "val", "server"]
+SERVER_CLIENT = -1  # the client_id of the server's rows
 NATURAL_SPLITS = ["train", "test"]  # the local splits a generated federated set gives its samples
 VIEWS = ["global_test", "global_on_local", "local_after_training", "personalized_on_local", "local_on_global_test",
          "local_after_training_val", "global_on_val", "personalized_on_val"]
@@ -52,10 +54,12 @@ class PartitionTable(pa.DataFrameModel):
     which client holds it and in which local split, ``train``, ``test`` or ``val`` (val only
     with the ``ratios`` local rule). With the ``official_test`` local rule the local test rows
     are official-test samples instead (``sample_id`` is unique across the sample table's
-    splits, so ids never collide)."""
+    splits, so ids never collide). With ``server_data`` the server's unlabeled samples (drawn
+    from the official val split, in no client) are rows with ``client_id = -1`` and
+    ``local_split = "server"``, after every client's rows."""
 
     sample_id: Series[int] = pa.Field(ge=0, unique=True)
-    client_id: Series[int] = pa.Field(ge=0)
+    client_id: Series[int] = pa.Field(ge=SERVER_CLIENT)
     local_split: Series[str] = pa.Field(isin=LOCAL_SPLITS)
     label: Series[int] = pa.Field(ge=0)
 
@@ -63,15 +67,22 @@ class PartitionTable(pa.DataFrameModel):
         strict = True
         coerce = True
 
+    @pa.dataframe_check
+    def server_rows(cls, df: pd.DataFrame) -> Series[bool]:
+        """client_id -1 exactly on the ``server`` rows."""
+        return (df["client_id"] == SERVER_CLIENT) == (df["local_split"] == "server")
+
 
 class SharedPartitionTable(pa.DataFrameModel):
     """A partition whose clients may share samples (``per_client_dirichlet``: each client is
     drawn from the whole pool): a sample id may appear under several clients, but at most once
     per client. The training stage reads every partition table with this schema (a disjoint
-    table passes it too); disjointness is checked by the partition stage, per scheme."""
+    table passes it too); disjointness is checked by the partition stage, per scheme. Server rows
+    (``client_id = -1``, ``local_split = "server"``) as in :class:`PartitionTable`; a server
+    sample is in no client (checked by the partition stage and again by the training stage)."""
 
     sample_id: Series[int] = pa.Field(ge=0)
-    client_id: Series[int] = pa.Field(ge=0)
+    client_id: Series[int] = pa.Field(ge=SERVER_CLIENT)
     local_split: Series[str] = pa.Field(isin=LOCAL_SPLITS)
     label: Series[int] = pa.Field(ge=0)
 
@@ -79,6 +90,11 @@ class SharedPartitionTable(pa.DataFrameModel):
         strict = True
         coerce = True
         unique = ["client_id", "sample_id"]
+
+    @pa.dataframe_check
+    def server_rows(cls, df: pd.DataFrame) -> Series[bool]:
+        """client_id -1 exactly on the ``server`` rows."""
+        return (df["client_id"] == SERVER_CLIENT) == (df["local_split"] == "server")
 
 
 class EvalRecords(pa.DataFrameModel):

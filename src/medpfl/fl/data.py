@@ -49,8 +49,15 @@ class FederatedData:
     norm: tuple[float, float] | None = None
     client_val: list[torch.Tensor] = field(default_factory=list)
     transform: TransformConfig | None = None
+    #: int64 [S]: the server's unlabeled samples (``partitions.<name>.server_data``: a held-out
+    #: part of the official val split, in no client); empty without server data. Only the
+    #: engine reads it, and hands a method the images alone (:class:`ServerData`) when the
+    #: method declares ``uses_server_data``.
+    server_idx: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
+        if self.server_idx is None:
+            self.server_idx = torch.empty(0, dtype=torch.int64, device=self.device)
         if not self.client_val:
             self.client_val = [torch.empty(0, dtype=torch.int64, device=self.device) for _ in self.client_train]
         if len(self.client_val) != len(self.client_train):
@@ -133,6 +140,14 @@ class FederatedData:
                                          dtype=torch.int64)
                             for rows in (partition[partition["client_id"] == cid] for cid in range(k))]
         train = split_ids["train"]
+        server = partition.loc[partition["local_split"] == "server", "sample_id"].to_numpy()
+        if len(server):
+            mine = partition.loc[partition["local_split"] != "server", "sample_id"].to_numpy()
+            both = np.intersect1d(server, mine)
+            if len(both):
+                raise ParamsError(f"the partition table gives {len(both)} server samples (e.g. id {both[0]}) to "
+                                  "clients as well; server data must stay out of every client (re-run the "
+                                  "partition stage)")
         hist = np.stack([np.bincount(data.labels[t.cpu().numpy()], minlength=data.num_classes) for t in train])
         if pool == "all":
             global_test = np.array([], dtype=np.int64)
@@ -157,4 +172,29 @@ class FederatedData:
             norm=data.norm,
             client_val=split_ids["val"],
             transform=transform,
+            server_idx=torch.tensor(server, device=device, dtype=torch.int64),
         )
+
+    @property
+    def has_server_data(self) -> bool:
+        """Whether the partition holds unlabeled server data (:attr:`server_idx`)."""
+        return self.server_idx.numel() > 0
+
+
+class ServerData:
+    """The server's unlabeled data as a method sees it (``Algorithm.server_data``): images only,
+    never labels. ``len`` is the number of samples S; :meth:`x` the normalised inputs (as the
+    clients' batches, :meth:`FederatedData.x`) of positions ``pos`` (int64 [...], in [0, S))."""
+
+    def __init__(self, data: FederatedData):
+        self._x = data.x
+        self._idx = data.server_idx
+        self.device = data.device
+
+    def __len__(self) -> int:
+        return int(self._idx.numel())
+
+    def x(self, pos: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 [..., C, H, W] (or [..., d]) of the server samples at ``pos`` (all of them, in
+        the table's order, when None)."""
+        return self._x(self._idx if pos is None else self._idx[pos.to(self._idx.device)])

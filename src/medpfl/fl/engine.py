@@ -10,7 +10,9 @@ Round r:
      and returns the models to score, the uploads and the new persistent client states;
   3. each client's model is scored on its local test split (``local_after_training``);
   4. the uploads are checked against the method's declared ``upload_spec`` (the privacy
-     boundary); the server aggregates them (``algo.aggregate``) into its next state;
+     boundary); the server aggregates them (``algo.aggregate``) into its next state (a method
+     declaring ``uses_server_data`` reads the partition's unlabeled server images there, from
+     ``algo.server_data``, attached once before the run; the clients never see them);
   5. on evaluation rounds: the global model (where the method has one) on the global test set
      (where the data set has one) and on every local test split, and each personalized model on its local test split (after
      the method's ``adaptation_phases`` on the local train split, where it declares some);
@@ -33,9 +35,9 @@ import pandas as pd
 import torch
 
 from medpfl.algorithms.base import Algorithm
-from medpfl.config import EvalConfig, TrainConfig, canonical_json
+from medpfl.config import EvalConfig, ParamsError, TrainConfig, canonical_json
 from medpfl.data.schemas import EvalRecords, RoundLog, validate
-from medpfl.fl.data import FederatedData
+from medpfl.fl.data import FederatedData, ServerData
 from medpfl.fl.evaluation import eval_groups, records_from_counts
 from medpfl.fl.functional import Params, model_state
 from medpfl.fl.payload import UploadSpecError, check_upload, payload_dense_nbytes, payload_nbytes
@@ -144,11 +146,27 @@ class Engine:
     fingerprint: str = ""
 
     def __post_init__(self):
+        self._attach_server_data()
         self._has_val = any(len(v) for v in (getattr(self.data, "client_val", None) or []))
         self.executor = make_executor(self.executor_kind, self.algo, self.data, self.train, self.seed, self.eval.batch_size)
         self.schedule = client_schedule(self.data.num_clients, self.train.participation, self.train.rounds,
                                         self.train.sampling.scheme,
                                         self.train.sampling.seed if self.train.sampling.seed is not None else self.seed)
+
+    def _attach_server_data(self) -> None:
+        """The server-data hook: a method that declares ``uses_server_data`` gets the partition's
+        unlabeled server samples as ``algo.server_data`` (:class:`~medpfl.fl.data.ServerData`:
+        images only, never labels), for its server hooks (``aggregate``); a method that does not
+        declare it gets nothing (``algo.server_data`` stays None). The client executors never
+        see them. Raises ParamsError when the method needs server data and the partition has
+        none."""
+        if not self.algo.uses_server_data:
+            return
+        if not getattr(self.data, "has_server_data", False):
+            raise ParamsError(f"method {self.algo.name!r} distils on unlabeled server data, and the partition has "
+                              "none: set partitions.<name>.server_data (e.g. {source: val, fraction: 0.5}) and re-run "
+                              "the partition stage")
+        self.algo.server_data = ServerData(self.data)
 
     # ---------------------------------------------------------------------------------------
     def initial_params(self) -> Params:
