@@ -209,7 +209,8 @@ write_paper("fedmic-main", "Tables 2-4 (λ = 0.1 / 0.3 / 0.5)", "FedMIC paper, T
             blocks={f"P{p}": [f"{m}-p{p}" for m in MAIN_METHODS] for p in PS},
             extra="# Rows are method variants <method>-p<participation> (config/fedmic-main.yaml); ranks are within\n"
                   "# each participation's block. Table 3's caption says \"PRFL\" (a copy-paste error for FedMIC).\n"
-                  "# FedBE's rows are data only until the study runs FedBE (its server data is not wired yet).\n")
+                  "# FedBE distils on unlabeled server data held out of the official val split (the partitions'\n"
+                  "# server_data; the paper does not say which data, A.11).\n")
 write_paper("fedmic-alpha", "Table 5 (GPD energy threshold α)", "FedMIC paper, Table 5",
             "Ren et al., FedMIC, Table 5", table_5(),
             extra="# Setting not stated; its α = 0.98 row equals Table 4 (λ = 0.5) at 10 % participation, so it is read\n"
@@ -247,11 +248,10 @@ eval:
   batch_size: 512
 """
 SEEDS = "seeds: [1, 2, 3]          # the number of repetitions behind the paper's ± is unstated: 3 (spec A.9 suggestion)\n"
-FEDBE_NOTE = """# PLACEHOLDER (FedBE, Tables 2-4): FedBE needs unlabeled server data, a held-out part of the official
-# validation split (the paper does not say which, A.11). With pool: all the official val split is in
-# the clients' pool, so that part must be set aside first: partitions.<name>.server_data (being added).
-# Once it exists: set it on every partition above and add fedbe-p0.1, fedbe-p0.3, fedbe-p0.5 to
-# methods and method_params ({algorithm: fedbe, train: {participation: <r>}}).
+FEDBE_NOTE = """# FedBE needs unlabeled server data, which the paper does not specify (A.11): half of the official
+# validation split, drawn by the partition (partitions.<name>.server_data) and removed from the pooled
+# splits before the Dirichlet draw, for every method alike, so all methods share one partition and no
+# client ever holds a server sample. Its labels are never read.
 """
 
 
@@ -265,6 +265,7 @@ def partition(lam, k, datasets):
     pool: all                 # the paper's sample counts are totals over the official splits: train, test and val merged (A.10)
     seed: 1                   # one partition for every training seed
     local_test: {{rule: ratios, ratios: [0.7, 0.2, 0.1]}}   # per client and class: train : test : val = 7 : 2 : 1 (A.9; floor, val the rest)
+    server_data: {{source: val, fraction: 0.5}}   # FedBE's unlabeled server data: half of the official val split, held out of the pool (A.11 unstated)
     datasets: [{', '.join(datasets)}]
 """
 
@@ -318,18 +319,19 @@ def with_p(mp, p):
 
 
 BASE = [("fedavg", "{algorithm: fedavg}"), ("local", "{algorithm: local}"), ("fedbn", "{algorithm: fedbn}"),
-        ("perfedavg", "{algorithm: perfedavg, local_steps: null}"), ("fedala", "{algorithm: fedala}"),
+        ("perfedavg", "{algorithm: perfedavg, local_steps: null}"), ("fedbe", "{algorithm: fedbe}"),
+        ("fedala", "{algorithm: fedala}"),
         ("fedmic", "{algorithm: fedmic}")]
 main_variants = [(f"{m}-p{p}", with_p(mp, p)) for p in PS for m, mp in BASE]
 study("fedmic-main", f"""# The FedMIC paper's Tables 2-4 (../shared/papers/001_92e55b0ead3a5e3d.txt; setting
 # ../shared/docs/methods-fedmic-pfpslwc.md A.9-A.10; docs/studies.md, FedMIC section): BloodMNIST,
 # TissueMNIST, OrganSMNIST (20 clients) and OrganMNIST3D (10 clients) at 64 px, Dirichlet λ 0.1 / 0.3 /
-# 0.5, participation 10 / 30 / 50 %, Local, FedAvg, FedBN, Per-FedAvg, FedALA and FedMIC (FedBE: see the
-# placeholder below), 50 rounds of 5 local epochs, ResNet101, 3 seeds:
+# 0.5, participation 10 / 30 / 50 %, Local, FedAvg, FedBN, Per-FedAvg, FedBE, FedALA and FedMIC, 50 rounds
+# of 5 local epochs, ResNet101, 3 seeds:
 #   snakemake --cores all --configfile config/fedmic-main.yaml
-# Sized for a GPU (4 data sets x 3 λ x 18 variants x 3 seeds = 648 runs of ResNet101). Local trains a
+# Sized for a GPU (4 data sets x 3 λ x 21 variants x 3 seeds = 756 runs of ResNet101). Local trains a
 # client only in the rounds it is sampled, as the paper's numbers imply (A.10). The paper gives no
-# baseline settings ("uniform baseline parameters"): FedBN, FedALA and Per-FedAvg keep their class
+# baseline settings ("uniform baseline parameters"): FedBN, FedBE, FedALA and Per-FedAvg keep their class
 # defaults, except Per-FedAvg's local_steps: null (E = 5 epochs, as every method, instead of 20 steps;
 # beta 0.002, alpha = the round's lr). The report puts our numbers beside the paper's
 # (config/papers/fedmic-main.yaml), ranked within each participation; paired differences are to FedMIC
@@ -378,17 +380,17 @@ CPU = """# FedMIC's protocol scaled down to run on a CPU (2 cores, well under 30
 #   snakemake --cores all --configfile config/fedmic-bloodmnist-cpu.yaml
 # Time (estimated, not measured: resnet18 is not in the zoo of the branch that wrote this file): a
 # stand-in ResNet18 at width 16 trains at 2.7 ms (ImageNet stem) to 17 ms (CIFAR stem, no down-sampling
-# at 28 px) per sample on one core beside other work; 2 clients x about 600 train samples per round, 6
-# methods (FedMIC trains two networks) on 2 cores: about 5 to 20 minutes, evaluation included. A
+# at 28 px) per sample on one core beside other work; 2 clients x about 600 train samples per round, 7
+# methods (FedMIC trains two networks, FedBE distils on the server) on 2 cores: about 5 to 20 minutes, evaluation included. A
 # scaled-down check of the pipeline and of the methods' order, not a reproduction: with 2 clients per
 # round each client trains in about 2 of the 20 rounds.
-# Methods: FedAvg, Local, FedBN, FedMIC, FedMIC without GPD (FedMIC-C, dense updates) and FedMIC with
+# Methods: FedAvg, Local, FedBN, FedBE, FedMIC, FedMIC without GPD (FedMIC-C, dense updates) and FedMIC with
 # the paper's largest DP noise (τ = 5e-2 on every transmitted float: noise injection, not a formal
 # (ε, δ) guarantee). No paper numbers exist for this setting; the closest are Table 2's BloodMNIST
 # 10 % column (64 px, ResNet101, 50 x 5): FedAvg 49.92, Local 68.35, FedBN 79.28, FedMIC 92.13, and
 # Table 6's FedMIC-C 92.33, Table 9's FedMIC with τ = 5e-2 87.92.
-# PLACEHOLDER (FedBE): it needs server data, a held-out part of the official val split
-# (partitions.<name>.server_data, being added); then add fedbe to methods.
+# FedBE distils on half of the official val split held out as unlabeled server data (server_data below),
+# set aside for every method so that all share one partition.
 study: fedmic-bloodmnist-cpu
 
 data:
@@ -404,8 +406,9 @@ partitions:
     pool: all
     seed: 1
     local_test: {rule: ratios, ratios: [0.7, 0.2, 0.1]}
+    server_data: {source: val, fraction: 0.5}
 
-methods: [fedavg, local, fedbn, fedmic, fedmic-c, fedmic-dp0.05]
+methods: [fedavg, local, fedbn, fedbe, fedmic, fedmic-c, fedmic-dp0.05]
 
 method_params:
   fedmic-c: {algorithm: fedmic, gpd: false}           # FedMIC without GPD (Table 6's FedMIC-C)

@@ -237,7 +237,8 @@ def test_studies_resolve_to_the_papers_protocol(study, tmp_path):
             assert cfg.dp_noise_std == (float(m.split("-dp")[1].split("-p")[0]) if "-dp" in m else 0.0)
             assert cfg.dp_target == "payload"
     if study == "fedmic-main":
-        assert len(p.methods) == 18 and "fedbe-p0.1" not in p.methods  # FedBE: placeholder until server_data
+        assert len(p.methods) == 21 and "fedbe-p0.1" in p.methods
+        assert all(part.server_data is not None and part.server_data.source == "val" for part in p.partitions.values())
         assert {p.method_config(m)[0].name for m in p.methods} == {"fedavg", "local", "fedbn", "perfedavg", "fedala",
                                                                     "fedmic"}
         assert p.method_config("perfedavg-p0.3")[1].local_steps is None
@@ -260,7 +261,7 @@ def test_cpu_study(tmp_path):
     assert p.method_config("fedmic-c")[1].gpd is False
     assert p.method_config("fedmic-dp0.05")[1].dp_noise_std == 0.05
     text = (REPO / "config" / "fedmic-bloodmnist-cpu.yaml").read_text()
-    assert "model: resnet18" in text and "model_args: {width: 16}" in text and "PLACEHOLDER (FedBE)" in text
+    assert "model: resnet18" in text and "model_args: {width: 16}" in text and "fedbe" in text
 
 
 @pytest.mark.parametrize("study,model", [(s, "resnet101") for s in STUDIES] + [("fedmic-bloodmnist-cpu", "resnet18")])
