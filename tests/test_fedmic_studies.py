@@ -239,7 +239,7 @@ def test_studies_resolve_to_the_papers_protocol(study, tmp_path):
     if study == "fedmic-main":
         assert len(p.methods) == 21 and "fedbe-p0.1" in p.methods
         assert all(part.server_data is not None and part.server_data.source == "val" for part in p.partitions.values())
-        assert {p.method_config(m)[0].name for m in p.methods} == {"fedavg", "local", "fedbn", "perfedavg", "fedala",
+        assert {p.method_config(m)[0].name for m in p.methods} == {"fedavg", "local", "fedbn", "perfedavg", "fedbe", "fedala",
                                                                     "fedmic"}
         assert p.method_config("perfedavg-p0.3")[1].local_steps is None
         for prob in ("0.1", "0.3", "0.5"):
@@ -257,7 +257,8 @@ def test_cpu_study(tmp_path):
     (part,) = p.partitions.values()
     assert (part.num_clients, part.alpha, part.pool, part.local_test.ratios) == (20, 0.1, "all", [0.7, 0.2, 0.1])
     assert p.train.participation == 0.1 and p.train.device == "cpu" and p.train.optimizer.lr == 0.001
-    assert p.methods == ["fedavg", "local", "fedbn", "fedmic", "fedmic-c", "fedmic-dp0.05"]
+    assert p.methods == ["fedavg", "local", "fedbn", "fedbe", "fedmic", "fedmic-c", "fedmic-dp0.05"]
+    assert part.server_data.source == "val" and part.server_data.fraction == 0.5
     assert p.method_config("fedmic-c")[1].gpd is False
     assert p.method_config("fedmic-dp0.05")[1].dp_noise_std == 0.05
     text = (REPO / "config" / "fedmic-bloodmnist-cpu.yaml").read_text()
