@@ -459,12 +459,17 @@ class MlflowConfig(_Strict):
 
 
 class CustomDataset(_Strict):
-    """A file in the official MedMNIST ``.npz`` layout that is not a MedMNIST release."""
+    """A file in the official MedMNIST ``.npz`` layout that is not a MedMNIST release.
+
+    ``layout: medmnist3d``: the MedMNIST 3D layout (images uint8 ``[N, D, H, W]``), stored as
+    ``[N, C=D, H, W]``; ``n_channels`` is then the depth D."""
 
     path: str
     md5: str = Field(pattern=r"^[0-9a-f]{32}$")
-    n_channels: int = Field(ge=1)
+    n_channels: int = Field(ge=1, description="image channels; the volumes' depth D with layout medmnist3d")
     num_classes: int = Field(ge=2)
+    layout: Literal["medmnist", "medmnist3d"] = Field(
+        "medmnist", description="medmnist: 2D images (N, H, W[, C]); medmnist3d: 3D volumes (N, D, H, W)")
 
 
 class SyntheticDataset(_Strict):
@@ -749,7 +754,8 @@ def dataset_job(params: Params, dataset: str) -> dict:
     from medpfl.data.sources import parse_synthetic_name
 
     custom = params.data.custom.get(dataset)
-    job = {"dataset": dataset, "custom": {dataset: custom.model_dump()} if custom else {}}
+    # the layout only when not the default: earlier data jobs keep their description
+    job = {"dataset": dataset, "custom": {dataset: custom.model_dump(exclude_defaults=True)} if custom else {}}
     if parse_synthetic_name(dataset) is not None and dataset not in params.data.custom:
         job["synthetic"] = params.data.synthetic.get(dataset, SyntheticDataset()).model_dump()
     return job
