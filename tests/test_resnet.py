@@ -9,8 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from medpfl.data.preprocess import load_processed, preprocess
+from medpfl.data.synthetic import write_synthetic_npz
 from medpfl.fl.functional import make_forward, model_state, template_on
 from medpfl.models import build_model, resolve_model_args
+from tests.conftest import make_fed_data
 from tests.test_models import _assert_equal_runs, _run
 
 BN_KEYS = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
@@ -144,19 +147,29 @@ def test_resnet_on_vector_data_names_the_model():
         build_model("resnet18_3d", 60, 10, None)
 
 
+@pytest.fixture(scope="module")
+def small_fed(tmp_path_factory):
+    """4 clients of 3x12x12 synthetic images (120 train samples, 4 classes): ResNets are deep,
+    so the executor comparisons use small images on the 2-core CPU."""
+    d = tmp_path_factory.mktemp("small")
+    write_synthetic_npz(d / "s.npz", num_classes=4, n_channels=3, size=12, counts=(120, 12, 36), seed=0)
+    preprocess(d / "s.npz", d / "a.npz", d / "s.parquet", 4, 3)
+    return make_fed_data(load_processed(d / "a.npz", d / "s.parquet"), num_clients=4, min_samples=10)
+
+
 @pytest.mark.parametrize("name", ["resnet18", "resnet18_3d"])
-def test_fedavg_stacked_equals_sequential(fed_data, name):
+def test_fedavg_stacked_equals_sequential(small_fed, name):
     """The tiny ResNets through both executors (the stacked one runs the model under vmap, with
-    padded batches and masked BatchNorm): the same records, uploads and states after a round."""
+    padded batches and masked BatchNorm): the same records, uploads and states after two rounds."""
     args = {"width": 2}
-    seq = _run(fed_data, "fedavg", "sequential", name, args, rounds=1)
-    stk = _run(fed_data, "fedavg", "stacked", name, args, rounds=1)
+    seq = _run(small_fed, "fedavg", "sequential", name, args)
+    stk = _run(small_fed, "fedavg", "stacked", name, args)
     _assert_equal_runs(seq, stk, atol=1e-4)
-    assert set(seq.server["model"]) == set(model_state(template_on(build_model(name, 3, 4, 28, args), "meta")))
+    assert set(seq.server["model"]) == set(model_state(template_on(build_model(name, 3, 4, 12, args), "meta")))
 
 
-def test_fedbn_keeps_the_resnet_batchnorm_local(fed_data):
+def test_fedbn_keeps_the_resnet_batchnorm_local(small_fed):
     """FedBN runs on resnet18 (its ``bn`` part is not empty) on both executors alike."""
     args = {"width": 2}
-    seq = _run(fed_data, "fedbn", "sequential", "resnet18", args, rounds=1)
-    _assert_equal_runs(seq, _run(fed_data, "fedbn", "stacked", "resnet18", args, rounds=1), atol=1e-4)
+    seq = _run(small_fed, "fedbn", "sequential", "resnet18", args, rounds=1)
+    _assert_equal_runs(seq, _run(small_fed, "fedbn", "stacked", "resnet18", args, rounds=1), atol=1e-4)
