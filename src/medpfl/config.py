@@ -408,7 +408,7 @@ class TrainConfig(_Strict):
     optimizer: OptimizerConfig = OptimizerConfig()
     sampling: SamplingConfig = SamplingConfig()
     model: str = Field("cnn4", description="a model of the zoo by name (medpfl.models.MODEL_NAMES): cnn4, cnn4bn, "
-                                           "mlr, mlp")
+                                           "simplecnn, resnet18, resnet101, resnet18_3d, vit, vit_lora, mlr, mlp")
     model_args: dict[str, Any] = Field(
         default_factory=dict, validate_default=True,
         description="the model's own arguments, validated per model (medpfl.models.zoo), e.g. mlp: {hidden: 20}; "
@@ -493,12 +493,17 @@ class MlflowConfig(_Strict):
 
 
 class CustomDataset(_Strict):
-    """A file in the official MedMNIST ``.npz`` layout that is not a MedMNIST release."""
+    """A file in the official MedMNIST ``.npz`` layout that is not a MedMNIST release.
+
+    ``layout: medmnist3d``: the MedMNIST 3D layout (images uint8 ``[N, D, H, W]``), stored as
+    ``[N, C=D, H, W]``; ``n_channels`` is then the depth D."""
 
     path: str
     md5: str = Field(pattern=r"^[0-9a-f]{32}$")
-    n_channels: int = Field(ge=1)
+    n_channels: int = Field(ge=1, description="image channels; the volumes' depth D with layout medmnist3d")
     num_classes: int = Field(ge=2)
+    layout: Literal["medmnist", "medmnist3d"] = Field(
+        "medmnist", description="medmnist: 2D images (N, H, W[, C]); medmnist3d: 3D volumes (N, D, H, W)")
 
 
 class SyntheticDataset(_Strict):
@@ -783,7 +788,8 @@ def dataset_job(params: Params, dataset: str) -> dict:
     from medpfl.data.sources import parse_synthetic_name
 
     custom = params.data.custom.get(dataset)
-    job = {"dataset": dataset, "custom": {dataset: custom.model_dump()} if custom else {}}
+    # the layout only when not the default: earlier data jobs keep their description
+    job = {"dataset": dataset, "custom": {dataset: custom.model_dump(exclude_defaults=True)} if custom else {}}
     if parse_synthetic_name(dataset) is not None and dataset not in params.data.custom:
         job["synthetic"] = params.data.synthetic.get(dataset, SyntheticDataset()).model_dump()
     return job

@@ -9,6 +9,12 @@ row in the arrays, ``split``, ``index_in_split``, ``label``), validated by
 :class:`medpfl.data.schemas.SampleTable`. Raw layouts (``DatasetSpec.layout``):
 
 - ``medmnist``: ``{train,val,test}_{images,labels}``; images uint8 ``[N, C, H, W]``.
+- ``medmnist3d`` (the MedMNIST 3D flags, ``organmnist3d``, ``organmnist3d_64``, ...): the same
+  keys; the official volumes are uint8 ``[N, D, H, W]`` (no channel axis) and are stored as they
+  are, so the depth axis is the channel axis of the stored sample ``[N, C=D, H, W]`` (``n_channels``
+  is the depth): a 2D model reads the D slices as input channels (FedMIC spec A.9's reading), a
+  3D model (``resnet18_3d``) views a sample as the one-channel volume ``[1, D, H, W]``. Values
+  are not rescaled: the default ``Normalize(0.5, 0.5)`` applies, as MedMNIST3D's own ``img / 255``.
 - ``keras`` (MNIST): ``x_train``, ``y_train``, ``x_test``, ``y_test``; images uint8
   ``[N, 1, H, W]``, splits train and test (no val). The pFedKD-WCL study partitions only the
   train split (the 60,000 training images), as every partition does.
@@ -56,10 +62,12 @@ from medpfl.io import write_npz, write_parquet
 SPLIT_ORDER = ("train", "val", "test")
 
 
-def load_official_npz(path: str | Path, num_classes: int, n_channels: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def load_official_npz(path: str | Path, num_classes: int, n_channels: int,
+                      volume: bool = False) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Read and check ``{split}_images`` / ``{split}_labels`` for train, val and test.
 
-    Returns ``{split: (images uint8 [n, C, H, W], labels int64 [n])}``.
+    Returns ``{split: (images uint8 [n, C, H, W], labels int64 [n])}``. ``volume``: the MedMNIST
+    3D layout, images ``[n, D, H, W]`` kept as they are (``n_channels`` is then the depth D).
     """
     path = Path(path)
     try:
@@ -69,10 +77,11 @@ def load_official_npz(path: str | Path, num_classes: int, n_channels: int) -> di
     if not isinstance(npz, np.lib.npyio.NpzFile):
         raise DataError(f"{path}: a single .npy array, not an .npz archive; expected the official MedMNIST layout")
     with npz:
-        return _read_splits(npz, path, num_classes, n_channels)
+        return _read_splits(npz, path, num_classes, n_channels, volume)
 
 
-def _read_splits(npz, path: Path, num_classes: int, n_channels: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def _read_splits(npz, path: Path, num_classes: int, n_channels: int,
+                 volume: bool = False) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     keys = set(npz.files)
     out = {}
     for split in SPLIT_ORDER:
@@ -86,7 +95,7 @@ def _read_splits(npz, path: Path, num_classes: int, n_channels: int) -> dict[str
             y = npz[lk]
         except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
             raise DataError(f"{path}: array {ik}/{lk} is truncated or corrupt ({e})") from None
-        x = _images_nchw(x, path, ik, n_channels)
+        x = _volumes_ndhw(x, path, ik, n_channels) if volume else _images_nchw(x, path, ik, n_channels)
         y = _labels(y, path, lk, len(x), num_classes)
         out[split] = (x, y)
     shapes = {s: out[s][0].shape[1:] for s in SPLIT_ORDER}
@@ -104,6 +113,20 @@ def _images_nchw(x: np.ndarray, path: Path, key: str, n_channels: int) -> np.nda
         raise DataError(f"{path}: {key} has shape {x.shape}; expected (N, H, W) or (N, H, W, C) with C in 1, 3")
     if x.shape[1] != n_channels:
         raise DataError(f"{path}: {key} has {x.shape[1]} channels; the data set's metadata says {n_channels}")
+    return _uint8(x, path, key)
+
+
+def _volumes_ndhw(x: np.ndarray, path: Path, key: str, depth: int) -> np.ndarray:
+    """A MedMNIST 3D split: uint8 [N, D, H, W] as it is (the depth axis becomes the channel axis)."""
+    if x.ndim != 4:
+        raise DataError(f"{path}: {key} has shape {x.shape}; expected 3D volumes (N, D, H, W) (the official "
+                        "MedMNIST 3D layout, no channel axis)")
+    if x.shape[1] != depth:
+        raise DataError(f"{path}: {key} has volumes of depth {x.shape[1]}; the data set's metadata says {depth}")
+    return _uint8(x, path, key)
+
+
+def _uint8(x: np.ndarray, path: Path, key: str) -> np.ndarray:
     if x.shape[0] == 0:
         raise DataError(f"{path}: {key} is empty")
     if x.dtype != np.uint8:
@@ -334,8 +357,9 @@ def preprocess(raw: str | Path, out_arrays: str | Path, out_samples: str | Path,
                class_names: Sequence[str] | None = None) -> pd.DataFrame:
     """Write the compact array file and the validated sample table; return the table.
 
-    layout: ``medmnist`` | ``keras`` | ``cifar10`` | ``cifar100`` | ``synthetic`` (for
-    ``synthetic``, ``n_channels`` is the feature dimension d). norm: stored for uint8 images
+    layout: ``medmnist`` | ``medmnist3d`` | ``keras`` | ``cifar10`` | ``cifar100`` | ``synthetic``
+    (for ``synthetic``, ``n_channels`` is the feature dimension d; for ``medmnist3d`` the
+    volumes' depth). norm: stored for uint8 images
     (see the module docstring).
     class_names: the label names by class index (``num_classes`` of them), stored as
     ``class_names``; None stores none (the class index names the class), except for the CIFAR
@@ -365,12 +389,13 @@ def preprocess(raw: str | Path, out_arrays: str | Path, out_samples: str | Path,
     else:
         if layout == "keras":
             parts = load_keras_npz(raw, num_classes, n_channels)
-        elif layout == "medmnist":
-            parts = load_official_npz(raw, num_classes, n_channels)
+        elif layout in ("medmnist", "medmnist3d"):
+            parts = load_official_npz(raw, num_classes, n_channels, volume=layout == "medmnist3d")
         elif layout in CIFAR_LAYOUTS:
             parts = cifar_parts
         else:
-            raise DataError(f"{raw}: unknown raw layout {layout!r} (medmnist, keras, cifar10, cifar100, synthetic)")
+            raise DataError(f"{raw}: unknown raw layout {layout!r} (medmnist, medmnist3d, keras, cifar10, cifar100, "
+                            "synthetic)")
         order = [s for s in SPLIT_ORDER if s in parts]
         images = np.concatenate([parts[s][0] for s in order])
         labels = np.concatenate([parts[s][1] for s in order])

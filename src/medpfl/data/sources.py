@@ -3,7 +3,11 @@
 Synthetic(alpha, beta) (generated locally).
 
 A data set is named by its official file stem: ``bloodmnist`` is the 28-px file
-``bloodmnist.npz``; ``bloodmnist_64`` is ``bloodmnist_64.npz`` (sizes 64, 128, 224).
+``bloodmnist.npz``; ``bloodmnist_64`` is ``bloodmnist_64.npz`` (sizes 64, 128, 224). The MedMNIST 3D flags (``organmnist3d``,
+``nodulemnist3d``, ``adrenalmnist3d``, ``fracturemnist3d``, ``vesselmnist3d``,
+``synapsemnist3d``) are named the same way (``organmnist3d`` 28^3, ``organmnist3d_64`` 64^3;
+3D has no larger size); their layout is ``medmnist3d`` and their ``n_channels`` is the
+volume's depth (28 or 64): a volume is stored as its depth slices, ``[N, D, H, W]``.
 ``mnist`` is MNIST in the Keras layout (``x_train``, ``y_train``, ``x_test``, ``y_test``);
 ``cifar10`` and ``cifar100`` are the official ``cifar-10-python.tar.gz`` and
 ``cifar-100-python.tar.gz`` of https://www.cs.toronto.edu/~kriz/cifar.html (pickled batches,
@@ -54,10 +58,10 @@ class DatasetSpec:
     size: int  # image side in pixels
     url: str
     md5: str
-    n_channels: int
+    n_channels: int  # channels of a stored sample; for a 3D volume (layout medmnist3d) its depth D
     num_classes: int
     task: str
-    layout: str = "medmnist"  # raw layout: medmnist | keras | cifar10 | cifar100 | synthetic (medpfl.data.preprocess)
+    layout: str = "medmnist"  # raw layout: medmnist | medmnist3d | keras | cifar10 | cifar100 | synthetic (preprocess)
     norm: tuple[float, float] | None = None  # (mean, std) after ToTensor; None = Normalize(0.5, 0.5)
     alt_sha256: tuple[str, ...] = ()  # other accepted checksums of the same content (a re-packed file)
     generator: dict | None = None  # synthetic: the generator's arguments (fedprox_synthetic.SyntheticArgs)
@@ -161,7 +165,9 @@ def parse_dataset_name(name: str) -> tuple[str, int]:
     flag, size = m.group(1), int(m.group(2) or 28)
     if flag not in INFO:
         known = ", ".join(sorted(k for k in INFO if not k.endswith("3d")))
-        raise DataError(f"data set {name!r}: unknown MedMNIST flag {flag!r}; known 2D flags: {known}")
+        known3d = ", ".join(sorted(k for k in INFO if k.endswith("3d")))
+        raise DataError(f"data set {name!r}: unknown MedMNIST flag {flag!r}; known 2D flags: {known}; 3D flags: "
+                        f"{known3d}")
     if size not in MEDMNIST_SIZES or (size == 28 and m.group(2)):
         raise DataError(f"data set {name!r}: size must be one of 28 (no suffix), 64, 128, 224")
     return flag, size
@@ -172,16 +178,20 @@ def dataset_spec(name: str, custom: dict | None = None, synthetic: dict | None =
     ``medmnist.INFO``, ``mnist`` (:data:`MNIST`), ``cifar10`` / ``cifar100`` (:data:`CIFAR10`,
     :data:`CIFAR100`), or a ``synthetic_<alpha>_<beta>`` set.
 
-    ``custom`` maps names to ``{"path", "md5", "n_channels", "num_classes"}`` for files in the
-    official MedMNIST layout that are not MedMNIST releases (your own data, or synthetic test
-    data); such a data set has no URL and is read from ``path``. ``synthetic`` holds the
+    ``custom`` maps names to ``{"path", "md5", "n_channels", "num_classes"}`` (and optionally
+    ``"layout"``: ``medmnist``, the default, or ``medmnist3d`` for volumes, whose ``n_channels``
+    is the depth) for files in the official MedMNIST layout that are not MedMNIST releases (your
+    own data, or synthetic test data); such a data set has no URL and is read from ``path``.
+    A MedMNIST 3D flag (``organmnist3d``, ``organmnist3d_64``, ...) has the layout
+    ``medmnist3d`` and ``n_channels`` = its depth (28 or 64). ``synthetic`` holds the
     generator's arguments for a synthetic set (``data.synthetic.<name>``: num_clients,
     dimension, num_classes, seed, train_fraction); missing ones take their defaults.
     """
     if custom and name in custom:
         c = custom[name]
         return DatasetSpec(name=name, flag=name, size=0, url=str(Path(c["path"]).resolve().as_uri()), md5=c["md5"],
-                           n_channels=int(c["n_channels"]), num_classes=int(c["num_classes"]), task="multi-class")
+                           n_channels=int(c["n_channels"]), num_classes=int(c["num_classes"]), task="multi-class",
+                           layout=str(c.get("layout") or "medmnist"))
     if name in OTHER_DATASETS:
         return OTHER_DATASETS[name]
     ab = parse_synthetic_name(name)
@@ -196,15 +206,17 @@ def dataset_spec(name: str, custom: dict | None = None, synthetic: dict | None =
     key = "" if size == 28 else f"_{size}"
     if f"url{key}" not in info:
         raise DataError(f"data set {name!r}: medmnist {version} has no {size}-px file for {flag}")
+    volume = flag.endswith("3d")  # official 3D file: {split}_images uint8 [N, D, H, W], D = H = W = size
     return DatasetSpec(
         name=name,
         flag=flag,
         size=size,
         url=info[f"url{key}"],
         md5=info[f"MD5{key}"],
-        n_channels=int(info["n_channels"]),
+        n_channels=size if volume else int(info["n_channels"]),
         num_classes=len(info["label"]),
         task=info["task"],
+        layout="medmnist3d" if volume else "medmnist",
         class_names=medmnist_class_names(info),
     )
 
@@ -246,7 +258,7 @@ def _verify(path: Path, spec: DatasetSpec, origin: str) -> None:
     if checksum_ok(path, spec):
         return
     got = md5sum(path)
-    source = spec.md5_source or ("medmnist.INFO" if spec.layout == "medmnist" and spec.size
+    source = spec.md5_source or ("medmnist.INFO" if spec.layout in ("medmnist", "medmnist3d") and spec.size
                                  else "the data set's declared checksum")
     alt = f" (or SHA-256 {', '.join(spec.alt_sha256)})" if spec.alt_sha256 else ""
     raise DataError(

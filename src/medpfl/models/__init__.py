@@ -3,6 +3,7 @@ the data set's sample shape. The zoo and the contract its models meet: :mod:`med
 
 from medpfl.models.cnn import CNN4
 from medpfl.models.linear import MLP, MLR
+from medpfl.models.resnet import ResNet
 from medpfl.models.zoo import MODEL_NAMES, ZOO, build_model, check_model_name, resolve_model_args
 
-__all__ = ["CNN4", "MLP", "MLR", "MODEL_NAMES", "ZOO", "build_model", "check_model_name", "resolve_model_args"]
+__all__ = ["CNN4", "MLP", "MLR", "MODEL_NAMES", "ResNet", "ZOO", "build_model", "check_model_name", "resolve_model_args"]

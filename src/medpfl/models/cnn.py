@@ -16,12 +16,42 @@ BatchNorm layers (empty for ``cnn4``), which FedBN keeps local.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
-class MaskedBatchNorm2d(nn.BatchNorm2d):
+class _MaskedBatchNorm:
+    """Training-mode statistics over the samples where ``mask`` is True (bool [B]), for input
+    [B, C, *spatial] of any number of spatial dimensions; mixed into a ``_BatchNorm`` class
+    (:class:`MaskedBatchNorm2d`, :class:`MaskedBatchNorm3d`)."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        if mask is None or not self.training:
+            return super().forward(x)
+        ones = (1,) * (x.dim() - 2)
+        dims = (0, *range(2, x.dim()))
+        w = mask.to(x.dtype).view(-1, 1, *ones)
+        hw = math.prod(x.shape[2:])
+        n = w.sum() * hw
+        any_valid = (n > 0).to(x.dtype)
+        n_safe = torch.clamp(n, min=1.0)
+        mean = (x * w).sum(dim=dims) / n_safe
+        var = (((x - mean.view(1, -1, *ones)) ** 2) * w).sum(dim=dims) / n_safe
+        y = (x - mean.view(1, -1, *ones)) / torch.sqrt(var.view(1, -1, *ones) + self.eps)
+        y = y * self.weight.view(1, -1, *ones) + self.bias.view(1, -1, *ones)
+        with torch.no_grad():
+            m = self.momentum * any_valid
+            unbiased = var * n / torch.clamp(n - 1, min=1.0)
+            self.running_mean.mul_(1 - m).add_(mean.detach() * m)
+            self.running_var.mul_(1 - m).add_(unbiased.detach() * m)
+            self.num_batches_tracked.add_(any_valid.to(self.num_batches_tracked.dtype))
+        return y
+
+
+class MaskedBatchNorm2d(_MaskedBatchNorm, nn.BatchNorm2d):
     """``BatchNorm2d`` whose training-mode statistics use only the samples where ``mask`` is
     True (bool [B]). Without a mask it is exactly ``nn.BatchNorm2d``. With a mask: mean and
     biased variance over the valid samples normalise the batch; the running statistics are
@@ -30,25 +60,9 @@ class MaskedBatchNorm2d(nn.BatchNorm2d):
     Written with tensor operations only, so it runs under ``torch.func.vmap``.
     """
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        if mask is None or not self.training:
-            return super().forward(x)
-        w = mask.to(x.dtype).view(-1, 1, 1, 1)
-        hw = x.shape[2] * x.shape[3]
-        n = w.sum() * hw
-        any_valid = (n > 0).to(x.dtype)
-        n_safe = torch.clamp(n, min=1.0)
-        mean = (x * w).sum(dim=(0, 2, 3)) / n_safe
-        var = (((x - mean.view(1, -1, 1, 1)) ** 2) * w).sum(dim=(0, 2, 3)) / n_safe
-        y = (x - mean.view(1, -1, 1, 1)) / torch.sqrt(var.view(1, -1, 1, 1) + self.eps)
-        y = y * self.weight.view(1, -1, 1, 1) + self.bias.view(1, -1, 1, 1)
-        with torch.no_grad():
-            m = self.momentum * any_valid
-            unbiased = var * n / torch.clamp(n - 1, min=1.0)
-            self.running_mean.mul_(1 - m).add_(mean.detach() * m)
-            self.running_var.mul_(1 - m).add_(unbiased.detach() * m)
-            self.num_batches_tracked.add_(any_valid.to(self.num_batches_tracked.dtype))
-        return y
+
+class MaskedBatchNorm3d(_MaskedBatchNorm, nn.BatchNorm3d):
+    """:class:`MaskedBatchNorm2d` for volumes [B, C, D, H, W] (``n = valid samples * D * H * W``)."""
 
 
 class CNN4(nn.Module):

@@ -32,6 +32,7 @@ from torch import nn
 
 from medpfl.models.cnn import CNN4
 from medpfl.models.linear import MLP, MLR
+from medpfl.models.resnet import ResNet
 from medpfl.models.simplecnn import SimpleCNN, simplecnn_side
 from medpfl.models.vit import ViTClassifier
 
@@ -60,6 +61,17 @@ class SimpleCNNArgs(ModelArgs):
 
     batch_norm: bool = Field(False, description="BatchNorm after each convolution (conv-BN-ReLU-pool; PFPS-LWC "
                                                 "spec B.1 option use_bn)")
+
+
+class ResNetArgs(ModelArgs):
+    """A ResNet's stem and width (:mod:`medpfl.models.resnet`). FedMIC (spec A.9) trains
+    ResNet101 on 64-px images without saying how the stem meets them; ``small`` keeps the
+    resolution (layer4 at 8x8 for 64 px), ``imagenet`` is He et al.'s stem (layer4 at 2x2)."""
+
+    stem: Literal["small", "imagenet"] = Field(
+        "small", description="small: 3x3 stride-1 conv, no max pooling (small images; MedMNIST's own ResNets); "
+                             "imagenet: 7x7 stride-2 conv + 3x3 stride-2 max pooling (He et al. 2016)")
+    width: int = Field(64, ge=1, description="base channels: stages of width, 2, 4, 8 x width (He et al.: 64)")
 
 
 class ViTArgs(ModelArgs):
@@ -154,6 +166,17 @@ def _simplecnn(shape: tuple[int, ...], num_classes: int, args: SimpleCNNArgs) ->
     return SimpleCNN(shape[0], num_classes, shape[1], batch_norm=args.batch_norm)
 
 
+def _resnet(arch: str, dim: int = 2) -> Callable[[tuple[int, ...], int, ModelArgs], nn.Module]:
+    def build(shape: tuple[int, ...], num_classes: int, args: ResNetArgs) -> nn.Module:
+        name = arch + ("_3d" if dim == 3 else "")
+        if len(shape) != 3:
+            raise ValueError(f"train.model={name} needs image samples [C, H, W]; this data set's samples have shape "
+                             f"{list(shape)} (vector data: use mlr or mlp)")
+        return ResNet(arch, shape[0], num_classes, width=args.width, stem=args.stem, dim=dim)
+
+    return build
+
+
 def _mlr(shape: tuple[int, ...], num_classes: int, args: ModelArgs) -> nn.Module:
     return MLR(math.prod(shape), num_classes)
 
@@ -179,6 +202,15 @@ ZOO: dict[str, ZooEntry] = {
     "cnn4bn": ZooEntry(_cnn4(True), "cnn4 with BatchNorm after each convolution (masked statistics)"),
     "simplecnn": ZooEntry(_simplecnn, "the five-layer SimpleCNN (PFPS-LWC spec B.1): 2 conv (6, 16) + 120 + 84 + "
                                       "classifier; optional BatchNorm; head = classifier", SimpleCNNArgs),
+    "resnet18": ZooEntry(_resnet("resnet18"), "ResNet-18 (He et al. 2016; BasicBlock [2, 2, 2, 2]) with masked "
+                                              "BatchNorm, a small-image stem (or imagenet) and a width; head = fc; "
+                                              "parts bn", ResNetArgs, tiny_args={"width": 4}),
+    "resnet101": ZooEntry(_resnet("resnet101"), "ResNet-101 (He et al. 2016; Bottleneck [3, 4, 23, 3]; FedMIC's model) "
+                                                "with masked BatchNorm; head = fc; parts bn", ResNetArgs,
+                          tiny_args={"width": 2, "stem": "imagenet"}),
+    "resnet18_3d": ZooEntry(_resnet("resnet18", dim=3), "ResNet-18 with 3D convolutions: a sample [D, H, W] (a "
+                                                        "MedMNIST 3D volume) as a 1-channel volume; head = fc; parts "
+                                                        "bn", ResNetArgs, tiny_args={"width": 2}),
     "vit": ZooEntry(_vit(False), "a ViT from transformers (default: pretrained ViT-B/16 at 224 px) with a new linear "
                                  "head on [CLS]; every weight trained (full fine-tuning); head = classifier", ViTArgs,
                     tiny_args=TINY_VIT),
