@@ -378,12 +378,11 @@ CPU = """# FedMIC's protocol scaled down to run on a CPU (2 cores, well under 30
 # 7 : 2 : 1 train / test / val, a small ResNet (resnet18 at width 16) instead of ResNet101, and
 # @ROUNDS@ rounds of @EPOCHS@ local epoch(s) instead of 50 x 5, one seed:
 #   snakemake --cores all --configfile config/fedmic-bloodmnist-cpu.yaml
-# Time (estimated, not measured: resnet18 is not in the zoo of the branch that wrote this file): a
-# stand-in ResNet18 at width 16 trains at 2.7 ms (ImageNet stem) to 17 ms (CIFAR stem, no down-sampling
-# at 28 px) per sample on one core beside other work; 2 clients x about 600 train samples per round, 7
-# methods (FedMIC trains two networks, FedBE distils on the server) on 2 cores: about 5 to 20 minutes, evaluation included. A
-# scaled-down check of the pipeline and of the methods' order, not a reproduction: with 2 clients per
-# round each client trains in about 2 of the 20 rounds.
+# Time, measured: 27 minutes for the 7 runs on 2 cores shared with other work (FedAvg, FedBN, Local
+# about 4 minutes each, FedMIC about 8 (two networks), FedBE 12 with 2 server epochs per round; the
+# code's 20 take about 2 minutes per round here, hence method_params.fedbe). A scaled-down check of the
+# pipeline and of the methods' costs, not a reproduction: with 2 clients per round each client trains
+# in about 2 of the 20 rounds (docs/studies.md has the results).
 # Methods: FedAvg, Local, FedBN, FedBE, FedMIC, FedMIC without GPD (FedMIC-C, dense updates) and FedMIC with
 # the paper's largest DP noise (τ = 5e-2 on every transmitted float: noise injection, not a formal
 # (ε, δ) guarantee). No paper numbers exist for this setting; the closest are Table 2's BloodMNIST
