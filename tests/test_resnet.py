@@ -173,3 +173,19 @@ def test_fedbn_keeps_the_resnet_batchnorm_local(small_fed):
     args = {"width": 2}
     seq = _run(small_fed, "fedbn", "sequential", "resnet18", args, rounds=1)
     _assert_equal_runs(seq, _run(small_fed, "fedbn", "stacked", "resnet18", args, rounds=1), atol=1e-4)
+
+
+@pytest.mark.parametrize("name,shape,stem,gmacs", [
+    ("resnet101", (3, 64, 64), "small", 10.0), ("resnet101", (3, 64, 64), "imagenet", 0.64),
+    ("resnet18", (3, 64, 64), "small", 2.2), ("resnet18", (3, 64, 64), "imagenet", 0.15),
+    ("resnet18_3d", (64, 64, 64), "small", 206.0), ("resnet18_3d", (64, 64, 64), "imagenet", 3.9),
+])
+def test_the_documented_compute_per_stem(name, shape, stem, gmacs):
+    """docs/models.md's multiply-adds per forward pass of one sample (torch.utils.flop_counter
+    counts 2 FLOPs per multiply-add), counted on the meta device: no weights, no compute."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = build_model(name, shape[0], 8, shape[-1], {"stem": stem}).to("meta").eval()
+    with FlopCounterMode(display=False) as counter:
+        model(torch.empty(1, *shape, device="meta"))
+    assert counter.get_total_flops() / 2e9 == pytest.approx(gmacs, rel=0.02)
