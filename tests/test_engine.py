@@ -262,3 +262,73 @@ def test_phase_epochs_zero_skips_and_none_means_local_epochs(fed_data, executor)
         out[name] = ex.train_clients(algo, Download(shared={"model": g}), {}, clients, rnd)[0]
     assert_trees_close(out["default"], out["two"], atol=0)
     assert not torch.allclose(out["default"]["fc.weight"], out["one"]["fc.weight"])
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.01])
+def test_sgd_step_without_momentum_is_torch_sgd_bit_for_bit(wd):
+    """momentum 0: w <- w - lr (g + wd w), as torch.optim.SGD, with the buffer left unused."""
+    torch.manual_seed(0)
+    w = torch.randn(5, 3)
+    ref = w.clone().requires_grad_()
+    opt = torch.optim.SGD([ref], lr=0.1, momentum=0.0, weight_decay=wd)
+    p, buf = {"w": w.clone()}, {"w": torch.zeros_like(w)}
+    for _ in range(3):
+        g = torch.randn(5, 3)
+        ref.grad = g.clone()
+        opt.step()
+        sgd_step_(p, {"w": g.clone()}, buf, 0.1, 0.0, wd)
+    assert torch.equal(p["w"], ref.detach())
+    assert not torch.equal(p["w"], w)
+
+
+def test_weighted_ce_is_cross_entropy_bit_for_bit_also_under_vmap():
+    """weighted_ce = sum_i w_i CE(logits_i, y_i), F.cross_entropy's values and gradients exactly."""
+    import torch.nn.functional as F
+    from torch.func import vmap
+
+    from medpfl.fl.functional import weighted_ce
+
+    torch.manual_seed(0)
+    logits = (5 * torch.randn(3, 7, 10)).requires_grad_()
+    y = torch.randint(0, 10, (3, 7))
+    w = torch.rand(3, 7)
+    w[2, 4:] = 0  # padding
+
+    def ref(lg, yy, ww):
+        return torch.sum(ww * F.cross_entropy(lg, yy, reduction="none"))
+
+    for fn in (lambda f: f(logits[0], y[0], w[0]), lambda f: vmap(f)(logits, y, w)):
+        a, b = fn(weighted_ce), fn(ref)
+        assert torch.equal(a, b)
+        ga, = torch.autograd.grad(a.sum(), logits)
+        gb, = torch.autograd.grad(b.sum(), logits)
+        assert torch.equal(ga, gb)
+    # a hand case: uniform logits over 4 classes, one sample of weight 1 -> log 4
+    assert abs(float(weighted_ce(torch.zeros(1, 4), torch.tensor([2]), torch.ones(1))) - 1.3862944) < 1e-6
+
+
+def test_functional_model_unties_only_models_with_shared_tensors():
+    """functional_call is told a model has no tied tensors only when it has none; a model whose
+    two layers share one weight still gets that weight in both places."""
+    from medpfl.fl.functional import make_forward
+    from medpfl.models import build_model
+
+    for name, args in (("mlr", {}), ("mlp", {"hidden": 8}), ("cnn4", {})):
+        image = None if name != "cnn4" else 28
+        assert make_forward(build_model(name, 3 if image else 12, 4, image, args))._tied is False
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(3, 3, bias=False)
+            self.b = torch.nn.Linear(3, 3, bias=False)
+            self.b.weight = self.a.weight
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    fwd = make_forward(Tied())
+    assert fwd._tied is True and fwd.trainable == ("a.weight",)
+    w = torch.randn(3, 3)
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(fwd({"a.weight": w}, x), x @ w.T @ w.T)

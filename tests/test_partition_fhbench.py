@@ -489,3 +489,25 @@ def test_snakemake_data_stage_with_the_fhbench_partition(tmp_path):
     stats = json.loads((out / "client_stats.json").read_text())
     assert all(set(c) == {"train", "test", "val"} for c in stats["clients"].values())
     assert (tmp_path / "data" / "figures" / "synth" / "fh" / "heatmap.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("transform,norm", [(None, None), (None, (0.1307, 0.3081)),
+                                            (TransformConfig(channels=3), None),
+                                            (TransformConfig(channels=3, normalize="imagenet"), None)])
+def test_precomputed_float_images_equal_batch_time_normalisation(monkeypatch, transform, norm):
+    """Below FLOAT_CACHE_MAX_BYTES the normalised images are computed once; above it, per batch.
+    Both give the same float32 values bit for bit, for every transform and index shape."""
+    import medpfl.fl.data as fdmod
+
+    cached = _gray(transform, norm)
+    monkeypatch.setattr(fdmod, "FLOAT_CACHE_MAX_BYTES", 0)
+    per_batch = _gray(transform, norm)
+    assert cached._float is not None and per_batch._float is None
+    for ids in (torch.tensor([1, 0, 1]), torch.tensor([[0, 1], [1, 1]]), torch.tensor(1)):
+        a, b = cached.x(ids), per_batch.x(ids)
+        assert a.dtype == b.dtype == torch.float32 and a.shape == b.shape
+        assert torch.equal(a, b)
+    # a batch is a new tensor: writing to it leaves the stored copy alone
+    x = cached.x(torch.tensor([0]))
+    x.zero_()
+    assert torch.equal(cached.x(torch.tensor([0])), per_batch.x(torch.tensor([0])))

@@ -65,6 +65,16 @@ class FunctionalModel:
         if callable(extra):
             self.parts.update({k: tuple(v) for k, v in extra().items()})
         self.feature_dim = int(self.shapes[f"{self.head_name}.weight"][1]) if self.head_name else None
+        # functional_call unties shared tensors on every call unless told there are none
+        n_all = len(list(module.named_parameters(remove_duplicate=False))) + len(list(module.named_buffers(remove_duplicate=False)))
+        self._tied = n_all != len(list(module.named_parameters())) + len(self.buffers)
+
+    def _call(self, module: torch.nn.Module, state: Params, x: torch.Tensor, kwargs: dict | None = None) -> Any:
+        return functional_call(module, state, (x,), kwargs, tie_weights=self._tied)
+
+    def _mode(self, train: bool) -> None:
+        if self.module.training != train:  # Module.train walks every submodule: only on a change
+            self.module.train(train)
 
     def _kwargs(self, mask: torch.Tensor | None, with_features: bool) -> dict:
         kw: dict = {"with_features": True} if with_features else {}
@@ -77,20 +87,20 @@ class FunctionalModel:
 
     def __call__(self, state: Params, x: torch.Tensor, train: bool = False,
                  mask: torch.Tensor | None = None) -> torch.Tensor:
-        self.module.train(train)
-        return functional_call(self.module, self._with_frozen(state), (x,), self._kwargs(mask, False))
+        self._mode(train)
+        return self._call(self.module, self._with_frozen(state), x, self._kwargs(mask, False))
 
     def features_logits(self, state: Params, x: torch.Tensor, train: bool = False,
                         mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(features float [B, d], logits float [B, C])`` of one forward pass."""
-        self.module.train(train)
-        return functional_call(self.module, self._with_frozen(state), (x,), self._kwargs(mask, True))
+        self._mode(train)
+        return self._call(self.module, self._with_frozen(state), x, self._kwargs(mask, True))
 
     def head(self, state: Params, z: torch.Tensor) -> torch.Tensor:
         """The classifier of ``state`` (its ``head`` part) on features ``z`` float [B, d]."""
         pre = self.head_name + "."
         sub = {k[len(pre):]: v for k, v in state.items() if k.startswith(pre)}
-        return functional_call(self.module.get_submodule(self.head_name), sub, (z,))
+        return self._call(self.module.get_submodule(self.head_name), sub, z)
 
     def part_names(self, name: str) -> tuple[str, ...]:
         """The state names of the named part; ValueError if the model lacks it or it is empty."""
@@ -142,7 +152,9 @@ def weighted_ce(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch
 
     logits float [B, C], y int64 [B] (padding may hold any valid class), w float [B].
     """
-    return torch.sum(w * F.cross_entropy(logits, y, reduction="none"))
+    # -log_softmax gathered at y is F.cross_entropy(reduction="none") bit for bit; written out,
+    # it has batching rules under vmap (cross_entropy falls back to a slower Python decomposition)
+    return -torch.sum(w * torch.log_softmax(logits, -1).gather(-1, y.unsqueeze(-1)).squeeze(-1))
 
 
 def clip_by_global_norm_(grads: Params, max_norm: float, stacked: bool = False) -> None:
@@ -165,19 +177,20 @@ def sgd_step_(params: Params, grads: Params, momentum_buf: Params, lr: float, mo
     """One step of ``torch.optim.SGD`` (dampening 0, no Nesterov), in place:
     ``d = g + wd * w;  b = momentum * b + d;  w = w - lr * b``  (b starts at zero).
 
-    ``grads`` is overwritten. Works unchanged on stacked tensors (leading client dim) and on
+    ``grads`` is overwritten; ``momentum_buf`` is only used (and updated) when ``momentum`` is
+    non-zero. Works unchanged on stacked tensors (leading client dim) and on
     views of a stack's rows, which it updates in place.
     """
     for k, p in params.items():
         d = grads[k]
         if weight_decay:
             d.add_(p, alpha=weight_decay)
-        b = momentum_buf[k]
         if momentum:
+            b = momentum_buf[k]
             b.mul_(momentum).add_(d)
-        else:
-            b.copy_(d)
-        p.add_(b, alpha=-lr)
+            p.add_(b, alpha=-lr)
+        else:  # b = d: the buffer is not read again
+            p.add_(d, alpha=-lr)
 
 
 def clone_params(p: Params) -> Params:
