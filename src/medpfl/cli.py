@@ -327,10 +327,11 @@ def known_errors() -> tuple[type[BaseException], ...]:
     from medpfl.data.schemas import TableError
     from medpfl.data.sources import DataError
     from medpfl.fl.engine import DivergenceError
+    from medpfl.report.paper import PaperTableError
     from medpfl.tracking import TrackingError
 
-    return (ParamsError, DataError, PartitionError, TableError, TrackingError, DivergenceError, FileNotFoundError,
-            json.JSONDecodeError)
+    return (ParamsError, DataError, PartitionError, TableError, TrackingError, DivergenceError, PaperTableError,
+            FileNotFoundError, json.JSONDecodeError)
 
 
 def main(argv: list[str] | None = None) -> int:
