@@ -29,7 +29,7 @@ from medpfl.fl.functional import make_forward, template_on
 from medpfl.fl.tree import tree_map
 from medpfl.io import atomic_path, md5sum, read_json, read_parquet, write_json, write_parquet
 from medpfl.models import build_model
-from medpfl.models.vit import parameter_counts
+from medpfl.models.zoo import parameter_counts
 from medpfl.progress import RoundProgress
 
 log = logging.getLogger(__name__)
