@@ -13,6 +13,7 @@ from medpfl.data.schemas import RoundLog, validate
 from medpfl.fl.payload import LowRank, payload_dense_nbytes, payload_nbytes, svd_encode
 from medpfl.fl.tree import tree_stack
 from medpfl.metrics import summarize_run
+from medpfl.train import round_scalars
 from tests.test_contract import run
 
 
@@ -102,3 +103,16 @@ def test_local_sends_nothing_and_old_round_logs_have_no_ratio(fed_data):
     per, s = summarize_run(rec, mixed, fed_data.num_clients, has_global_model=False, personalized=True)
     assert np.isnan(per["compression_ratio"].iloc[0]) and per["compression_ratio"].iloc[1] == 0.25
     assert s["compression_ratio"] == 0.25
+
+
+def test_live_round_scalars_carry_the_upload_ratio_only_where_there_is_one():
+    """The live MLflow scalar ``upload_compression_ratio`` = bytes_up / bytes_up_dense; absent
+    without the column, with a missing value, or when nothing was sent (0 dense bytes)."""
+    row = {"round": 0, "lr": 0.01, "bytes_up": 544, "bytes_down": 100, "round_seconds": 1.0, "train_seconds": 0.5}
+    recs = [{"view": "local_after_training", "accuracy": 0.5, "balanced_accuracy": 0.25, "loss": 1.0}]
+    with_dense = round_scalars(recs, {**row, "bytes_up_dense": 1112})
+    assert with_dense["upload_compression_ratio"] == 544 / 1112
+    assert with_dense.pop("upload_compression_ratio") and with_dense == round_scalars(recs, row)
+    for missing in ({}, {"bytes_up_dense": 0}, {"bytes_up_dense": None}, {"bytes_up_dense": pd.NA}):
+        assert "upload_compression_ratio" not in round_scalars(recs, {**row, **missing}), missing
+    assert "compression_ratio" not in round_scalars(recs, {**row, "bytes_up_dense": 1112})  # the summary's name

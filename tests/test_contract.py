@@ -15,12 +15,13 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 import torch
+import torch.utils._pytree as pytree
 
 from medpfl.algorithms import REGISTRY
 from medpfl.config import EvalConfig, TrainConfig
 from medpfl.fl.engine import Engine
 from medpfl.fl.functional import make_forward, template_on
-from medpfl.fl.payload import check_upload, payload_nbytes
+from medpfl.fl.payload import LowRank, check_upload, payload_nbytes, svd_decode, svd_encode
 from medpfl.fl.tree import tree_leaves
 from medpfl.models import MODEL_NAMES, ZOO, build_model
 from tests.conftest import assert_trees_close, make_algo
@@ -76,6 +77,35 @@ def cached(fed_data, method, executor="sequential", model=None, **overrides):
 
 def metrics(res) -> pd.DataFrame:
     return res.records.drop(columns=["loss"]).reset_index(drop=True)
+
+
+def decoded(tree):
+    """``tree`` with every :class:`~medpfl.fl.payload.LowRank` leaf replaced by the matrix it
+    encodes (``svd_decode``: U diag(S) Vh, float [..., P, Q]). A truncated SVD's factors are
+    unique only up to the signs of the singular vector pairs (and rotations within equal singular
+    values), so two executors' low-rank payloads (FedKD's and FedMIC's broadcast update in the
+    server state) are compared by what they encode, not by their raw factors."""
+    def leaf(v):
+        if isinstance(v, LowRank):
+            return svd_decode(v, (v.u.shape[-2], v.vh.shape[-1]))
+        return v
+
+    return pytree.tree_map(leaf, tree, is_leaf=lambda v: isinstance(v, LowRank))
+
+
+def test_decoded_compares_low_rank_payloads_by_what_they_encode():
+    """Two factorisations of one matrix that differ in the signs of a singular vector pair differ
+    raw and agree decoded; the decoding is the matrix itself (up to the truncation)."""
+    gen = torch.Generator().manual_seed(0)
+    m = torch.randn(6, 2, generator=gen) @ torch.randn(2, 5, generator=gen)
+    a = svd_encode(m, 0.999)
+    flip = torch.ones(a.s.shape[-1])
+    flip[0] = -1.0
+    b = LowRank(a.u * flip, a.s, a.vh * flip.unsqueeze(-1), a.rank)
+    with pytest.raises(AssertionError):
+        assert_trees_close({"update": {"w": a}}, {"update": {"w": b}}, atol=1e-5)
+    assert_trees_close(decoded({"update": {"w": a}}), decoded({"update": {"w": b}}), atol=1e-5)
+    torch.testing.assert_close(decoded({"w": a})["w"], m, atol=1e-5, rtol=1e-5)
 
 
 def test_registry_holds_the_table1_methods():
@@ -145,13 +175,13 @@ def test_stacked_equals_sequential(fed_data, method):
                                atol=1e-4, rtol=1e-4)
     assert seq.rounds["bytes_up"].tolist() == stk.rounds["bytes_up"].tolist()
     assert seq.rounds["bytes_down"].tolist() == stk.rounds["bytes_down"].tolist()
-    assert_trees_close(seq.server, stk.server, atol=2e-5, rtol=1e-4)
+    assert_trees_close(decoded(seq.server), decoded(stk.server), atol=2e-5, rtol=1e-4)
     # client states may hold models after many more gradient evaluations than one round of FedAvg
     # (pFedMe: 20 iterations x 5 inner steps, every client; pFedKD-WCL: 2 x 20 steps of a randomly
     # initialised personal CNN, up to 9e-5 here, as FedAvg reaches 5.5e-5 at 4 epochs): fp32
     # reduction-order noise grows with them (max-pool/ReLU switches at ulp-level differences). In
     # float64 the executors agree to rounding (tests/test_pfedkdwcl.py checks it at its defaults).
-    assert_trees_close(seq.client_states, stk.client_states, atol=1.5e-4, rtol=1e-4)
+    assert_trees_close(decoded(seq.client_states), decoded(stk.client_states), atol=1.5e-4, rtol=1e-4)
 
 
 class _Kill(Exception):

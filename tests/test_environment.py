@@ -165,6 +165,41 @@ def test_job_json_mlflow_and_metrics_carry_the_environment(job_dir):
     assert metrics["avg_global_acc"] == pytest.approx(m["summary"]["avg_global_acc"])
 
 
+def test_round_scalars_computed_once_per_round_feed_mlflow_and_the_bar(job_dir, monkeypatch):
+    """One ``round_scalars`` call per round; MLflow and the progress bar get the same numbers,
+    the upload compression ratio among them (FedAvg: exactly 1)."""
+    from mlflow.tracking import MlflowClient
+
+    import medpfl.train as train_mod
+
+    d, job, uri = job_dir
+    real, calls, shown = train_mod.round_scalars, [], []
+
+    def counted(records, row):
+        calls.append(row["round"])
+        return real(records, row)
+
+    real_update = train_mod.RoundProgress.update
+
+    def update(self, rnd, scalars, seconds):
+        shown.append(dict(scalars))
+        return real_update(self, rnd, scalars, seconds)
+
+    monkeypatch.setattr(train_mod, "round_scalars", counted)
+    monkeypatch.setattr(train_mod.RoundProgress, "update", update)
+    out = d / "run"
+    _train(d, job, out)
+    assert calls == [0, 1] and len(shown) == 2
+    client = MlflowClient(uri)
+    run_id = json.loads((out / "mlflow_run.json").read_text())["run_id"]
+    history = client.get_metric_history(run_id, "upload_compression_ratio")
+    assert sorted((m.step, m.value) for m in history) == [(0, 1.0), (1, 1.0)]
+    for step, s in enumerate(shown):
+        assert s["upload_compression_ratio"] == 1.0
+        acc = [m for m in client.get_metric_history(run_id, "local_acc_mean") if m.step == step]
+        assert [m.value for m in acc] == [pytest.approx(s["local_acc_mean"])]
+
+
 def test_resuming_in_another_environment_is_recorded(job_dir, monkeypatch):
     from mlflow.tracking import MlflowClient
 

@@ -197,6 +197,24 @@ def test_parts_bn_is_every_batchnorm_entry_found_by_type():
         g.part_names("bn")
 
 
+
+def test_batchnorm_state_names_helper():
+    """The one helper behind every model's ``bn`` part: state_dict keys of the BatchNorm layers in
+    module order (parameters, then buffers), nested or top-level, what a layer lacks left out."""
+    from medpfl.models.cnn import MaskedBatchNorm2d, batchnorm_state_names
+
+    nn = torch.nn
+    m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Sequential(MaskedBatchNorm2d(4), nn.ReLU()),
+                      nn.BatchNorm1d(4, affine=False), nn.BatchNorm2d(4, track_running_stats=False), nn.Linear(4, 2))
+    names = batchnorm_state_names(m)
+    assert names == ("1.0.weight", "1.0.bias", "1.0.running_mean", "1.0.running_var", "1.0.num_batches_tracked",
+                     "2.running_mean", "2.running_var", "2.num_batches_tracked", "3.weight", "3.bias")
+    assert set(names) <= set(m.state_dict()) | {n for n, _ in m.named_parameters()}
+    assert batchnorm_state_names(nn.BatchNorm2d(2)) == ("weight", "bias", "running_mean", "running_var",
+                                                       "num_batches_tracked")
+    assert batchnorm_state_names(build_model("cnn4", 3, 4, 28)) == ()
+
+
 # ----------------------------------------------------------------------------- names and arguments
 
 

@@ -5,14 +5,16 @@ report gains."""
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import yaml
 
+from medpfl.cli import main
 from medpfl.report import build_report
-from medpfl.report.paper import PaperTable, compare, comparison_tables, load_paper_table, rank_agreement
+from medpfl.report.paper import PaperTable, PaperTableError, compare, comparison_tables, load_paper_table, rank_agreement
 from tests.test_report import _summary, _write_run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,23 +97,64 @@ def test_report_with_a_paper_table(tmp_path):
     assert pd.read_csv(paths["paper_agreement_csv"])["methods"].tolist() == [2, 2]
 
 
-@pytest.mark.parametrize("content,match", [
+GOOD = "title: t\nsource: s\nmetrics: {a: {label: A}}\nvalues: {d: {m: {a: [0.5, null]}}}\n"
+BAD_TABLES = [  # (file content or None for no file, what the one-line message must say)
     (None, "file not found"),
-    ("title: x\n", "needs the keys"),
-    ("title: t\nsource: s\nmetrics: {a: {}}\nvalues: {d: {m: {b: [1, 2]}}}\n", "not declared"),
-    ("title: t\nsource: s\nmetrics: {a: {}}\nvalues: {d: {m: {a: 0.5}}}\n", "expected \\[value"),
-])
-def test_bad_paper_tables_fail_naming_the_file_and_key(tmp_path, content, match):
-    p = tmp_path / "bad.yaml"
+    ("title: t\nsource: [s\nmetrics: {}\n", "not valid YAML at line 3, column 8"),
+    ("title: t\n  source: s\n", "not valid YAML at line 2"),
+    ("- a list\n", "expected a mapping with the keys title, source, metrics, values, got list"),
+    ("", "expected a mapping"),
+    ("title: x\n", r"needs the keys .* \(missing: source, metrics, values\)"),
+    ("title: t\nsource: s\nmetrics: {a: {}}\nvalues: {d: {m: {b: [1, 2]}}}\n", r"values\.d\.m\.b: not declared"),
+    ("title: t\nsource: s\nmetrics: {a: {}}\nvalues: {d: {m: {a: 0.5}}}\n", r"values\.d\.m\.a: expected \[value"),
+    ("title: t\nsource: s\nmetrics: {a: {}}\nvalues: {d: {m: {a: [1, 2, 3]}}}\n", r"values\.d\.m\.a: expected \[value"),
+    ("title: t\nsource: s\nmetrics: {a: {}}\nvalues: {d: {m: {a: ['0.5', x]}}}\n", r"values\.d\.m\.a: expected \[val"),
+    ("title: t\nsource: s\nmetrics: {a: {}}\nvalues: {d: [m]}\n", r"values\.d: .*dictionary"),
+    ("title: t\nsource: s\nmetrics: {a: {higher_is_beter: true}}\nvalues: {}\n", r"metrics\.a\.higher_is_beter: unknown key"),
+    ("title: t\nsource: s\nmetrics: {}\nvalues: {}\nblocks: {x: fedavg}\n", r"blocks\.x: .*list"),
+    ("title: t\nsource: s\nmetrics: {}\nvalues: {}\npercent: maybe\n", r"percent: .*boolean"),
+]
+
+
+def _write(content: str | None, folder: Path) -> Path:
+    """``folder/bad.yaml`` holding ``content`` (no file for None)."""
+    p = folder / "bad.yaml"
     if content is not None:
         p.write_text(content)
-    with pytest.raises(ValueError, match=match) as e:
+    return p
+
+
+def test_a_good_minimal_paper_table_loads(tmp_path):
+    """The baseline the bad tables below differ from."""
+    t = load_paper_table(_write(GOOD, tmp_path))
+    assert t.values == {"d": {"m": {"a": (0.5, None)}}} and t.metrics == {"a": {"label": "A", "higher_is_better": True}}
+
+
+@pytest.mark.parametrize("content,match", BAD_TABLES)
+def test_bad_paper_tables_fail_naming_the_file_and_key(tmp_path, content, match):
+    p = _write(content, tmp_path)
+    with pytest.raises(PaperTableError, match=match) as e:
         load_paper_table(p)
-    assert "report.paper_table" in str(e.value) and str(p) in str(e.value)
+    assert str(e.value).startswith(f"report.paper_table: {p}: ") and "\n" not in str(e.value)
     dirs = [_write_run(tmp_path / "runs", "fedavg", 1)]
     with pytest.raises(ValueError):
         build_report(dirs, tmp_path / "report", paper_table=p)
     assert not (tmp_path / "report").exists()  # nothing written before the inputs are known good
+
+
+@pytest.mark.parametrize("content,match", [BAD_TABLES[i] for i in (0, 1, 7, 11)])
+def test_medpfl_report_with_a_bad_paper_table_exits_2_in_one_line(tmp_path, capsys, content, match):
+    """Missing, not YAML, a bad cell, an unknown key: ``medpfl report`` prints one error line
+    naming the file (and key), no traceback, exit status 2, and writes no report."""
+    p = _write(content, tmp_path)
+    run = _write_run(tmp_path / "runs", "fedavg", 1)
+    code = main(["report", "--runs", str(run), "--out-dir", str(tmp_path / "report"), "--paper-table", str(p)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"medpfl report: error: report.paper_table: {p}: "), err
+    assert re.search(match, lines[0]) and "Traceback" not in err
+    assert not (tmp_path / "report").exists()
 
 
 def test_partition_keyed_values_blocks_and_percent():

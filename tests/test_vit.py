@@ -13,8 +13,8 @@ from medpfl.config import EvalConfig, TrainConfig
 from medpfl.fl.engine import Engine
 from medpfl.fl.functional import make_forward, model_state, template_on
 from medpfl.models import build_model
-from medpfl.models.vit import MissingWeightsError, lora_adapter_numel, parameter_counts
-from medpfl.models.zoo import TINY_VIT
+from medpfl.models.vit import MissingWeightsError, lora_adapter_numel
+from medpfl.models.zoo import TINY_VIT, parameter_counts
 from tests.conftest import assert_trees_close, make_algo
 
 HIDDEN, BLOCKS, RANK = 32, 2, 8

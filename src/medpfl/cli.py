@@ -2,7 +2,7 @@
 
 Snakemake rules call these with explicit paths and a JSON job description (``--job``), so a
 rule's ``params:`` hold exactly what the stage uses. Known errors (bad params, bad data,
-impossible partitions, unreachable tracking) print one clear message and exit with status 2;
+impossible partitions, unreachable tracking, a diverged training run) print one clear message and exit with status 2;
 anything else is a bug and keeps its traceback.
 """
 
@@ -326,9 +326,12 @@ def known_errors() -> tuple[type[BaseException], ...]:
     from medpfl.data.partition import PartitionError
     from medpfl.data.schemas import TableError
     from medpfl.data.sources import DataError
+    from medpfl.fl.engine import DivergenceError
+    from medpfl.report.paper import PaperTableError
     from medpfl.tracking import TrackingError
 
-    return (ParamsError, DataError, PartitionError, TableError, TrackingError, FileNotFoundError, json.JSONDecodeError)
+    return (ParamsError, DataError, PartitionError, TableError, TrackingError, DivergenceError, PaperTableError,
+            FileNotFoundError, json.JSONDecodeError)
 
 
 def main(argv: list[str] | None = None) -> int:

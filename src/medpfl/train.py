@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import pandas as pd
 import torch
 
 from medpfl.algorithms import resolve_method
@@ -28,16 +29,24 @@ from medpfl.fl.functional import make_forward, template_on
 from medpfl.fl.tree import tree_map
 from medpfl.io import atomic_path, md5sum, read_json, read_parquet, write_json, write_parquet
 from medpfl.models import build_model
-from medpfl.models.vit import parameter_counts
+from medpfl.models.zoo import parameter_counts
 from medpfl.progress import RoundProgress
 
 log = logging.getLogger(__name__)
 
 
 def round_scalars(records: list[dict], row: dict) -> dict[str, float]:
-    """The per-round numbers logged live to MLflow (step = round)."""
+    """The per-round numbers logged live to MLflow (step = round) and shown by the progress bar,
+    from the round's row of the round log (``row``: the engine's dict, ``rounds.parquet``
+    columns) and its evaluation records (``records``: dicts with ``view``, ``accuracy``,
+    ``balanced_accuracy``, ``loss``). ``upload_compression_ratio`` = ``bytes_up /
+    bytes_up_dense`` where the row has a positive ``bytes_up_dense`` (optional column), absent
+    otherwise (``docs/metrics.md``)."""
     out: dict[str, float] = {"lr": row["lr"], "bytes_up": row["bytes_up"], "bytes_down": row["bytes_down"],
                              "round_seconds": row["round_seconds"], "train_seconds": row["train_seconds"]}
+    dense = row.get("bytes_up_dense")
+    if pd.notna(dense) and dense > 0:  # absent, missing or 0 (nothing sent: Local): not applicable
+        out["upload_compression_ratio"] = row["bytes_up"] / dense
 
     def pick(view):
         return [r for r in records if r["view"] == view]
@@ -120,7 +129,6 @@ def run_training(job: dict, arrays: Path, samples: Path, partition_table: Path, 
                           "{source: val, fraction: 0.5}) and re-run the partition stage")
 
     logger = None
-    callbacks = []
     if parent_file is not None:
         from medpfl.tracking import RunLogger
 
@@ -136,10 +144,17 @@ def run_training(job: dict, arrays: Path, samples: Path, partition_table: Path, 
         logger.set_tags({**mlflow_tags(env), **({"env.earlier_ids": ",".join(e.get("id", "?") for e in earlier)}
                                                 if earlier else {})})
         logger.log_params(job)
-        callbacks.append(lambda r, row, recs: logger.log_metrics(round_scalars(recs, row), step=r))
 
     bar = RoundProgress(train.rounds, f"{job['method']} {job['dataset']}/{job['partition']} seed {job['seed']}", log)
-    callbacks.append(lambda r, row, recs: bar.update(r, round_scalars(recs, row), row["round_seconds"]))
+
+    def on_round(r: int, row: dict, recs: list[dict]) -> None:
+        """The round's scalars, computed once: logged to MLflow (step = round), then shown."""
+        scalars = round_scalars(recs, row)
+        if logger is not None:
+            logger.log_metrics(scalars, step=r)
+        bar.update(r, scalars, row["round_seconds"])
+
+    callbacks = [on_round]
     fp = fingerprint({"job": job, "partition": md5sum(partition_table), "arrays": md5sum(arrays)})
     engine = Engine(algo, fdata, train, evalc, job["seed"], train.executor, checkpoint=ckpt, callbacks=callbacks,
                     fingerprint=fp)

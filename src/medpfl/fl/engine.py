@@ -19,6 +19,11 @@ Round r:
   6. bytes up (the uploads as sent, compressed where they are) and down (the shared download
      once per recipient plus every per-client row) and wall time are logged; server and client
      states are checkpointed atomically every ``checkpoint_every`` rounds.
+
+Divergence guard: the clients' uploads and new states (after step 2) and the server state (after
+step 4) must be finite; the first NaN or ±inf stops the run with :class:`DivergenceError`
+before the round is scored, logged or checkpointed, so the last checkpoint keeps the last good
+state and no result file is written.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from medpfl.fl.functional import Params, model_state
 from medpfl.fl.payload import UploadSpecError, check_upload, payload_dense_nbytes, payload_nbytes
 from medpfl.fl.program import Download, Phase, RoundInfo
 from medpfl.fl.sampling import client_schedule, seeded_cpu_rng
-from medpfl.fl.tree import tree_index, tree_leaves, tree_scatter, tree_stack
+from medpfl.fl.tree import first_nonfinite, tree_index, tree_leaves, tree_scatter, tree_stack
 from medpfl.io import atomic_path
 from medpfl.models import build_model
 
@@ -105,10 +110,18 @@ def make_executor(kind: str, algo: Algorithm, data: FederatedData, train: TrainC
     return SequentialExecutor(data, train, seed, eval_batch_size)
 
 
+class DivergenceError(RuntimeError):
+    """A run's model or state became non-finite (NaN or ±inf): training has diverged, usually
+    because the learning rate is too large. Raised by :meth:`Engine.run` in the round it happens,
+    before that round is logged or checkpointed; the message names the method, the round, the
+    first non-finite leaf and what to change."""
+
+
 #: bump when the checkpoint layout or the engine's arithmetic changes (old checkpoints restart)
 ENGINE_VERSION = 2
 
-__all__ = ["Engine", "RunResult", "UploadSpecError", "check_upload", "fingerprint", "resolve_device", "make_executor"]
+__all__ = ["DivergenceError", "Engine", "RunResult", "UploadSpecError", "check_upload", "fingerprint", "resolve_device",
+           "make_executor"]
 
 
 @dataclass
@@ -209,6 +222,7 @@ class Engine:
         else:
             server, client_states, records, rounds, start = state
             log.info("resuming from checkpoint %s at round %d", self.checkpoint, start)
+        self._checkpointed = start if state is not None else 0  # rounds held by the checkpoint file
         for r in range(start, self.train.rounds):
             self._sync()
             t0 = time.perf_counter()
@@ -224,6 +238,7 @@ class Engine:
                     raise ValueError(f"method {algo.name!r}: a per-client download leaf has shape {tuple(leaf.shape)}; "
                                      f"its leading dim must be the {len(trainers)} clients that train this round")
             models, uploads, new_states = ex.train_clients(algo, down, tree_index(client_states, tidx), trainers, rnd)
+            self._check_finite(r, "after local training", {"upload": uploads, "client state": new_states})
             self._sync()
             t1 = time.perf_counter()
             new_records = records_from_counts(r, "local_after_training", trainers.tolist(),
@@ -237,6 +252,7 @@ class Engine:
             check_upload(algo.name, algo.upload_spec(), uploads, m)
             if algo.aggregates:
                 server = algo.aggregate(server, uploads, cidx, rnd)
+            self._check_finite(r, "after the server update", {"server state": server})
             if self._is_eval_round(r):
                 new_records += self._evaluate(server, client_states, r)
             self._sync()
@@ -262,11 +278,31 @@ class Engine:
             if self.checkpoint and self.train.checkpoint_every and ((r + 1) % self.train.checkpoint_every == 0
                                                                     or r == self.train.rounds - 1):
                 self._save_checkpoint(server, client_states, records, rounds, r + 1)
+                self._checkpointed = r + 1
         rec = validate(EvalRecords, pd.DataFrame(records), "evaluation records")
         rnd_log = validate(RoundLog, pd.DataFrame(rounds), "round log")
         personal = ex.personalized_models(algo, client_states, server) if algo.personalized else None
         return RunResult(rec, rnd_log, server, algo.global_model(server) if algo.has_global_model else None,
                          client_states, personal, resumed_from=start if state else 0)
+
+    def _check_finite(self, r: int, when: str, trees: dict[str, Any]) -> None:
+        """The divergence guard: raises :class:`DivergenceError` when a floating-point leaf of
+        ``trees`` (named, e.g. ``{"server state": server}``) holds a NaN or ±inf in round ``r``
+        (0-based). One ``isfinite`` reduction per leaf and one host sync per call
+        (:func:`~medpfl.fl.tree.first_nonfinite`)."""
+        bad = first_nonfinite(trees)
+        if bad is None:
+            return
+        algo, opt = self.algo, self.train.optimizer
+        tree, key = bad
+        clip = [f for f in type(algo.cfg).model_fields if "clip" in f or "grad_norm" in f]
+        hint = f"lower train.optimizer.lr (now {opt.lr:g}; this round's lr {opt.round_lr(r, self.train.rounds):g})"
+        if clip:
+            hint += f" or set the method's gradient clipping (method_params.<method>.{clip[0]})"
+        kept = (f"; the checkpoint {self.checkpoint} (after round {self._checkpointed}) is kept"
+                if self.checkpoint and self._checkpointed else "")
+        raise DivergenceError(f"method {algo.name!r} diverged in round {r + 1}/{self.train.rounds} (round {r} in "
+                              f"rounds.parquet): {tree} {key} is not finite (NaN or inf) {when}{kept}; {hint}")
 
     def round_info(self, r: int) -> RoundInfo:
         """What every hook may read about round ``r`` (lr: ``train.optimizer.round_lr``)."""

@@ -71,3 +71,25 @@ def tree_repeat(tree: Any, k: int) -> Any:
 def tree_clone(tree: Any) -> Any:
     """Detached copies with their own contiguous memory (also of expanded views)."""
     return tree_map(lambda t: t.detach().clone(memory_format=torch.contiguous_format), tree)
+
+
+def first_nonfinite(trees: dict[str, Any]) -> tuple[str, str] | None:
+    """``(name, key path)`` of the first floating-point leaf holding a NaN or ±inf among the
+    named trees ``trees`` (in their order, each in torch pytree leaf order; the key path as
+    ``torch.utils._pytree.keystr`` writes it, e.g. ``['model']['fc.weight']`` or
+    ``['delta']['fc.weight'].u`` for a :class:`~medpfl.fl.payload.LowRank` leaf); None when every
+    one is finite. Integer and boolean leaves are skipped. One ``torch.isfinite(...).all()`` per
+    leaf, stacked, and one host sync for all of them."""
+    found: list[tuple[str, Any, torch.Tensor]] = []
+    for name, tree in trees.items():
+        for path, t in pytree.tree_flatten_with_path(tree)[0]:
+            if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
+                found.append((name, path, t))
+    if not found:
+        return None
+    dev = found[0][2].device
+    ok = torch.stack([torch.isfinite(t).all().to(dev) for _, _, t in found])
+    if bool(ok.all()):
+        return None
+    name, path, _ = found[int(torch.argmin(ok.to(torch.uint8)))]  # the first False
+    return name, pytree.keystr(path)

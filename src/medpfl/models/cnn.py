@@ -23,6 +23,22 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def batchnorm_state_names(module: nn.Module) -> tuple[str, ...]:
+    """The state names (the keys of ``module.state_dict()``, e.g. ``layer1.0.bn1.running_mean``)
+    of the parameters and buffers of every BatchNorm layer in ``module``: each
+    ``nn.modules.batchnorm._BatchNorm`` (found by module type, not by name; the masked ones
+    below included), in module order, its parameters (``weight``, ``bias``) then its buffers
+    (``running_mean``, ``running_var``, ``num_batches_tracked``); what a layer lacks (no affine,
+    no running statistics) is left out. An empty tuple for a model without BatchNorm. The ``bn``
+    part the models declare in ``extra_parts`` (FedBN keeps it local)."""
+    names = []
+    for prefix, mod in module.named_modules():
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm):
+            for n, _ in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]:
+                names.append(f"{prefix}.{n}" if prefix else n)
+    return tuple(names)
+
+
 class _MaskedBatchNorm:
     """Training-mode statistics over the samples where ``mask`` is True (bool [B]), for input
     [B, C, *spatial] of any number of spatial dimensions; mixed into a ``_BatchNorm`` class
@@ -90,13 +106,8 @@ class CNN4(nn.Module):
     def extra_parts(self) -> dict[str, tuple[str, ...]]:
         """``{"bn": state names}``: the weight, bias, running_mean, running_var and
         num_batches_tracked of every BatchNorm layer, found by module type (not by name), in
-        module order; an empty tuple without ``batch_norm``."""
-        names = []
-        for prefix, mod in self.named_modules():
-            if isinstance(mod, nn.modules.batchnorm._BatchNorm):
-                for n, _ in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]:
-                    names.append(f"{prefix}.{n}")
-        return {"bn": tuple(names)}
+        module order (:func:`batchnorm_state_names`); an empty tuple without ``batch_norm``."""
+        return {"bn": batchnorm_state_names(self)}
 
     def features(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         x = self.conv1(x)

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from medpfl.models.cnn import MaskedBatchNorm2d, MaskedBatchNorm3d
+from medpfl.models.cnn import MaskedBatchNorm2d, MaskedBatchNorm3d, batchnorm_state_names
 
 Stem = Literal["small", "imagenet"]
 
@@ -174,13 +174,8 @@ class ResNet(nn.Module):
     def extra_parts(self) -> dict[str, tuple[str, ...]]:
         """``{"bn": state names}``: the weight, bias, running_mean, running_var and
         num_batches_tracked of every BatchNorm layer (stem, blocks, projections), found by
-        module type, in module order."""
-        names = []
-        for prefix, mod in self.named_modules():
-            if isinstance(mod, nn.modules.batchnorm._BatchNorm):
-                for n, _ in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]:
-                    names.append(f"{prefix}.{n}")
-        return {"bn": tuple(names)}
+        module type, in module order (:func:`~medpfl.models.cnn.batchnorm_state_names`)."""
+        return {"bn": batchnorm_state_names(self)}
 
     def features(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.dim == 3:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from medpfl.models.cnn import MaskedBatchNorm2d
+from medpfl.models.cnn import MaskedBatchNorm2d, batchnorm_state_names
 
 
 def simplecnn_side(image_size: int) -> int:
@@ -63,10 +63,9 @@ class SimpleCNN(nn.Module):
         self.classifier = nn.Linear(84, num_classes)
 
     def extra_parts(self) -> dict[str, tuple[str, ...]]:
-        """``{"bn": names}``: every parameter and buffer of the BatchNorm layers (empty without)."""
-        names = [f"{layer}.{n}" for layer in ("bn1", "bn2") if getattr(self, layer) is not None
-                 for n, _ in [*getattr(self, layer).named_parameters(), *getattr(self, layer).named_buffers()]]
-        return {"bn": tuple(names)}
+        """``{"bn": names}``: every parameter and buffer of the BatchNorm layers ``bn1``, ``bn2``
+        (:func:`~medpfl.models.cnn.batchnorm_state_names`; empty without ``batch_norm``)."""
+        return {"bn": batchnorm_state_names(self)}
 
     def features(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         x = self.conv1(x)

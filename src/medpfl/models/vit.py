@@ -38,11 +38,6 @@ from typing import Any
 import torch
 from torch import nn
 
-#: ImageNet normalisation of the pretrained ViT checkpoints (timm / transformers image processors)
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-
-
 class MissingWeightsError(RuntimeError):
     """A pretrained checkpoint is not in the local cache and cannot be downloaded."""
 
@@ -151,13 +146,6 @@ class ViTClassifier(nn.Module):
         return (z, logits) if with_features else logits
 
 
-def parameter_counts(module: nn.Module) -> dict[str, int]:
-    """``{"trainable": ..., "frozen": ..., "total": ...}`` numbers of parameter elements."""
-    tr = sum(p.numel() for p in module.parameters() if p.requires_grad)
-    tot = sum(p.numel() for p in module.parameters())
-    return {"trainable": int(tr), "frozen": int(tot - tr), "total": int(tot)}
-
-
 def lora_adapter_numel(lora_config: Any, module: nn.Module) -> int:
     """Adapter elements a ``LoraConfig`` implies on ``module``: ``r * (d_in + d_out)`` per
     adapted ``nn.Linear`` (A: [r, d_in], B: [d_out, r]). Used to check payload sizes."""
@@ -170,5 +158,4 @@ def lora_adapter_numel(lora_config: Any, module: nn.Module) -> int:
     return total
 
 
-__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "MissingWeightsError", "ViTClassifier", "lora_adapter_numel",
-           "parameter_counts"]
+__all__ = ["MissingWeightsError", "ViTClassifier", "lora_adapter_numel"]

@@ -263,6 +263,15 @@ def resolve_model_args(name: str, args: Mapping[str, Any] | None) -> dict[str, A
         raise ValueError(f"{msgs} (train.model={name})") from None
 
 
+def parameter_counts(module: nn.Module) -> dict[str, int]:
+    """``{"trainable": ..., "frozen": ..., "total": ...}``: numbers of parameter elements of
+    ``module`` (ints; trainable = ``requires_grad``, frozen = the rest, e.g. ``vit_lora``'s
+    backbone). Buffers (BatchNorm statistics) are not parameters and not counted."""
+    tr = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    tot = sum(p.numel() for p in module.parameters())
+    return {"trainable": int(tr), "frozen": int(tot - tr), "total": int(tot)}
+
+
 def build_model(name: str, in_channels: int, num_classes: int, image_size: int | None = None,
                 model_args: Mapping[str, Any] | None = None) -> nn.Module:
     """Build a model by its params name (``train.model``) with its ``train.model_args``.

@@ -6,9 +6,13 @@ their source::
     title: ...            source: ...
     how_ours: ...         # optional: how our number is computed (the caption says it)
     percent: true         # optional: show values x 100 (the paper prints percentages)
+    convention: ...       # optional: a note on the reporting convention (not used in computing)
     metrics:  {<summary key>: {label: ..., higher_is_better: true}, ...}
     blocks:   {<name>: [<method>, ...], ...}    # optional: rank within each block
     values:   {<dataset> or <dataset>/<partition>: {<method>: {<summary key>: [value, ±], ...}, ...}, ...}
+
+Every key is checked when the file is loaded (``load_paper_table``; unknown keys are errors): a
+bad file stops the report with one line naming the file and the key (``medpfl report`` exits 2).
 
 A study names it in ``report.paper_table``. For every (dataset, partition) group of the study
 that the paper reports (a ``<dataset>/<partition>`` key, else the ``<dataset>`` key: a paper
@@ -30,6 +34,7 @@ from typing import Any
 
 import pandas as pd
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictStr, ValidationError
 from scipy import stats
 
 from medpfl.report.stats import CI_LEVEL, NO_INTERVAL
@@ -62,35 +67,94 @@ class PaperTable:
         return ""
 
 
+class PaperTableError(ValueError):
+    """A paper table file (``report.paper_table``) is missing, not YAML or not of the schema; the
+    message names the file and the offending key."""
+
+
+class _Metric(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    label: StrictStr | None = None
+    higher_is_better: StrictBool = True
+
+
+class _PaperFile(BaseModel):
+    """The schema of a paper table file (the module docstring); unknown keys are rejected."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    title: StrictStr
+    source: StrictStr
+    how_ours: StrictStr = ""
+    percent: StrictBool = False
+    convention: StrictStr | None = Field(None, description="the reporting convention our numbers follow (a note)")
+    metrics: dict[str, _Metric]
+    blocks: dict[str, list[StrictStr]] | None = None
+    values: dict[str, dict[str, dict[str, tuple[StrictFloat, StrictFloat | None]]]]
+
+
+_REQUIRED = ("title", "source", "metrics", "values")
+
+
+def _dotted(loc: tuple) -> str:
+    """A pydantic error location as a dotted key (``values.bloodmnist.fedavg.avg_global_acc``;
+    an error about a mapping's key itself ends in `` (key)``)."""
+    return ".".join(str(x) for x in loc if x != "[key]") + (" (key)" if "[key]" in loc else "")
+
+
 def load_paper_table(path: str | Path) -> PaperTable:
-    """Read and check a paper table file. Raises ValueError naming the file (and
-    ``report.paper_table``) when it is missing or malformed."""
+    """Read and check a paper table file (schema: the module docstring; ``_PaperFile``).
+
+    Raises :class:`PaperTableError` (a ValueError) with a one-line message that names
+    ``report.paper_table``, the file and, for a schema error, the offending key (e.g.
+    ``values.bloodmnist.fedavg.avg_global_acc``): a missing file, text that is not YAML (with its
+    line and column), a missing or unknown key, a value of the wrong type, a cell that is not
+    ``[value, ± or null]``, or a metric in ``values`` not declared under ``metrics``."""
     path = Path(path)
     where = f"report.paper_table: {path}"
     if not path.is_file():
-        raise ValueError(f"{where}: file not found")
+        raise PaperTableError(f"{where}: file not found")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise PaperTableError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except yaml.YAMLError as e:
-        raise ValueError(f"{where}: not valid YAML: {e}") from None
-    if not isinstance(data, dict) or not {"title", "source", "metrics", "values"} <= set(data):
-        raise ValueError(f"{where}: needs the keys title, source, metrics and values")
-    metrics = data["metrics"]
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or " ".join(str(e).split())
+        raise PaperTableError(f"{where}: not valid YAML{at}: {problem}") from None
+    if not isinstance(data, dict):
+        raise PaperTableError(f"{where}: expected a mapping with the keys {', '.join(_REQUIRED)}, "
+                              f"got {type(data).__name__}")
+    missing = [k for k in _REQUIRED if k not in data]
+    if missing:
+        raise PaperTableError(f"{where}: needs the keys {', '.join(_REQUIRED)} (missing: {', '.join(missing)})")
+    try:
+        table = _PaperFile.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = err["loc"]
+        if loc[:1] == ("values",) and len(loc) >= 4:  # a cell: say what a cell looks like
+            try:
+                cell = data["values"][loc[1]][loc[2]][loc[3]]
+            except (KeyError, TypeError, IndexError):  # the error is about a key, not a cell
+                cell = None
+            else:
+                raise PaperTableError(f"{where}: {_dotted(loc[:4])}: expected [value, ± or null] (numbers), "
+                                      f"got {cell!r}") from None
+        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        raise PaperTableError(f"{where}: {_dotted(loc)}: {msg}") from None
     values: dict = {}
-    for ds, methods in data["values"].items():
+    for ds, methods in table.values.items():
         for method, cells in methods.items():
-            for metric, cell in cells.items():
-                if metric not in metrics:
-                    raise ValueError(f"{where}: values.{ds}.{method}.{metric}: not declared under metrics")
-                if not (isinstance(cell, list) and len(cell) == 2 and isinstance(cell[0], (int, float))):
-                    raise ValueError(f"{where}: values.{ds}.{method}.{metric}: expected [value, ± or null], got {cell!r}")
-                values.setdefault(ds, {}).setdefault(method, {})[metric] = (float(cell[0]),
-                                                                             None if cell[1] is None else float(cell[1]))
-    blocks = data.get("blocks")
-    if blocks is not None and not (isinstance(blocks, dict) and all(isinstance(v, list) for v in blocks.values())):
-        raise ValueError(f"{where}: blocks: expected a mapping of block name to a list of methods")
-    return PaperTable(str(data["title"]), str(data["source"]), metrics, values, path,
-                      str(data.get("how_ours") or ""), blocks, bool(data.get("percent", False)))
+            for metric, (value, pm) in cells.items():
+                if metric not in table.metrics:
+                    raise PaperTableError(f"{where}: values.{ds}.{method}.{metric}: not declared under metrics "
+                                          f"({', '.join(table.metrics)})")
+                values.setdefault(ds, {}).setdefault(method, {})[metric] = (float(value),
+                                                                             None if pm is None else float(pm))
+    metrics = {k: m.model_dump(exclude_none=True) for k, m in table.metrics.items()}
+    blocks = {k: list(v) for k, v in table.blocks.items()} if table.blocks is not None else None
+    return PaperTable(table.title, table.source, metrics, values, path, table.how_ours, blocks, table.percent)
 
 
 def _rank(values: dict[str, float], higher_is_better: bool) -> dict[str, int]:
