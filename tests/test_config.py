@@ -395,3 +395,15 @@ def test_pfedkd_study_overlays_resolve():
     assert syn.method_train("fedavg-mlp").model_args == {"hidden": 20}  # the official code's synthetic MLP
     assert syn.method_config("pfedme-mlp")[1].lam == 30.0
     assert syn.method_config("pfedkdwcl-legacy-mlr")[1].legacy_last_client_grad
+
+
+def test_pfedkd_synthetic_1500_overlay_changes_only_the_rounds_and_methods():
+    base = load_params(PARAMS, [REPO / "config" / "pfedkd-synthetic.yaml"])
+    long = load_params(PARAMS, [REPO / "config" / "pfedkd-synthetic.yaml", REPO / "config" / "pfedkd-synthetic-1500.yaml"])
+    assert long.study == "pfedkd-synthetic-1500" and long.methods == ["perfedavg-mlr", "perfedavg-mlp"]
+    assert long.train.rounds == 1500 and base.train.rounds == 600
+    assert long.train.model_copy(update={"rounds": 600}) == base.train
+    for m in long.methods:
+        assert long.method_config(m)[1] == base.method_config(m)[1]
+        assert long.method_train(m) == base.method_train(m).model_copy(update={"rounds": 1500})
+    assert long.dataset_partitions() == base.dataset_partitions()
