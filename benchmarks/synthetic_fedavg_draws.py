@@ -107,8 +107,9 @@ def main() -> None:
         rng = np.random.default_rng(1)
         gen = torch.Generator().manual_seed(1)
         w, b = torch.zeros(10, 60), torch.zeros(10)
+        majority = np.mean([np.bincount(t[1].numpy(), minlength=10).max() / len(t[1]) for t in trains])
         print(f"seed {seed}: client sizes {g.sizes.min()}-{g.sizes.max()}, largest client {g.sizes.max() / g.sizes.sum():.0%} "
-              f"of the data; {work}" + ("" if a.no_centralised else f"; centralised MLR {100 * centralised(trains, tests, 10):.1f} %"),
+              f"of the data, mean majority-class share of the train splits {majority:.2f}; {work}" + ("" if a.no_centralised else f"; centralised MLR {100 * centralised(trains, tests, 10):.1f} %"),
               flush=True)
         for r in range(a.rounds):
             picked = rng.choice(k, size=k // 10, replace=False)

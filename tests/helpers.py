@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import runpy
 import shutil
 import subprocess
 import sys
@@ -221,3 +222,18 @@ def low_rank_delta(params: dict, gen) -> dict:
         else:
             delta[k] = 1e-2 * torch.randn(v.shape, generator=gen)
     return delta
+
+
+def generated_configs(script: str, tmp: Path) -> list[str]:
+    """Run ``scripts/<script>`` in a bare copy under ``tmp`` (only the script, empty ``config/`` and
+    ``config/papers/``), assert that every YAML file it writes equals the committed file of the
+    same path, and return the written paths (relative, sorted) for the caller to check the set."""
+    fake = tmp / "repo"
+    (fake / "scripts").mkdir(parents=True)
+    (fake / "config" / "papers").mkdir(parents=True)
+    shutil.copy(REPO / "scripts" / script, fake / "scripts")
+    runpy.run_path(str(fake / "scripts" / script), run_name="__main__")
+    written = sorted(str(q.relative_to(fake)) for q in (fake / "config").rglob("*.yaml"))
+    for rel in written:
+        assert (fake / rel).read_text() == (REPO / rel).read_text(), rel
+    return written

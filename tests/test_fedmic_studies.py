@@ -10,8 +10,6 @@ the checks of the configs exactly as written skip while the zoo lacks those mode
 from __future__ import annotations
 
 import re
-import runpy
-import shutil
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ import pytest
 from medpfl.config import load_params
 from medpfl.models import MODEL_NAMES
 from medpfl.report.paper import load_paper_table
+from tests.helpers import generated_configs
 
 REPO = Path(__file__).resolve().parents[1]
 PARAMS = REPO / "params.yaml"
@@ -43,16 +42,8 @@ def acc(t, ds, lam, variant):
 
 # ----- the generator ---------------------------------------------------------------------------
 def test_committed_configs_are_the_generators_output(tmp_path):
-    fake = tmp_path / "repo"
-    (fake / "scripts").mkdir(parents=True)
-    (fake / "config" / "papers").mkdir(parents=True)
-    shutil.copy(REPO / "scripts" / "make_fedmic_configs.py", fake / "scripts")
-    runpy.run_path(str(fake / "scripts" / "make_fedmic_configs.py"), run_name="__main__")
-    written = sorted(q.relative_to(fake) for q in (fake / "config").rglob("*.yaml"))
-    assert [str(w) for w in written] == sorted(
+    assert generated_configs("make_fedmic_configs.py", tmp_path) == sorted(
         [f"config/{s}.yaml" for s in (*STUDIES, "fedmic-bloodmnist-cpu")] + [f"config/papers/{p}.yaml" for p in PAPERS])
-    for rel in written:
-        assert (fake / rel).read_text() == (REPO / rel).read_text(), rel
 
 
 # ----- the paper's numbers ---------------------------------------------------------------------

@@ -4,14 +4,13 @@ committed files are what scripts/make_pfpslwc_configs.py writes."""
 
 from __future__ import annotations
 
-import runpy
-import shutil
 from pathlib import Path
 
 import pytest
 
 from medpfl.config import load_params
 from medpfl.report.paper import load_paper_table
+from tests.helpers import generated_configs
 
 REPO = Path(__file__).resolve().parents[1]
 PARAMS = REPO / "params.yaml"
@@ -93,12 +92,4 @@ def test_sweeps_are_one_study_each():
 
 def test_committed_configs_are_the_generators_output(tmp_path):
     """scripts/make_pfpslwc_configs.py writes exactly the committed files (no hand edits drift)."""
-    fake = tmp_path / "repo"
-    (fake / "scripts").mkdir(parents=True)
-    (fake / "config" / "papers").mkdir(parents=True)
-    shutil.copy(REPO / "scripts" / "make_pfpslwc_configs.py", fake / "scripts")
-    runpy.run_path(str(fake / "scripts" / "make_pfpslwc_configs.py"), run_name="__main__")
-    written = sorted(q.relative_to(fake) for q in (fake / "config").rglob("*.yaml"))
-    assert len(written) == 8
-    for rel in written:
-        assert (fake / rel).read_text() == (REPO / rel).read_text(), rel
+    assert len(generated_configs("make_pfpslwc_configs.py", tmp_path)) == 8

@@ -18,13 +18,13 @@ import pandas as pd
 import torch
 
 from medpfl.algorithms import resolve_method
-from medpfl.config import EvalConfig, ParamsError, TrainConfig
+from medpfl.config import EvalConfig, TrainConfig
 from medpfl.data.partition import PartitionError
 from medpfl.data.preprocess import load_processed
 from medpfl.data.schemas import SharedPartitionTable, validate
 from medpfl.environment import capture, configure_determinism, mlflow_tags
 from medpfl.fl.data import FederatedData
-from medpfl.fl.engine import Engine, fingerprint, resolve_device
+from medpfl.fl.engine import Engine, fingerprint, require_server_data, resolve_device
 from medpfl.fl.functional import make_forward, template_on
 from medpfl.fl.tree import tree_map
 from medpfl.io import atomic_path, md5sum, read_json, read_parquet, write_json, write_parquet
@@ -123,10 +123,7 @@ def run_training(job: dict, arrays: Path, samples: Path, partition_table: Path, 
     template = template_on(template, device)  # a frozen backbone stays real: one shared copy on the device
     _write_job(out_dir, job, env, earlier, counts)
     algo = algo_cls(mcfg, make_forward(template), fdata.num_classes)
-    if algo.uses_server_data and not fdata.has_server_data:
-        raise ParamsError(f"method {job['method']!r} ({algo.name}) distils on unlabeled server data and partition "
-                          f"{job['partition']!r} has none: set partitions.{job['partition']}.server_data (e.g. "
-                          "{source: val, fraction: 0.5}) and re-run the partition stage")
+    require_server_data(algo, fdata, job["partition"])  # before MLflow sees the run
 
     logger = None
     if parent_file is not None:

@@ -117,11 +117,21 @@ class DivergenceError(RuntimeError):
     first non-finite leaf and what to change."""
 
 
+def require_server_data(algo: Algorithm, data: FederatedData, partition: str = "<name>") -> None:
+    """Raises ParamsError, naming ``partitions.<partition>.server_data``, when ``algo`` declares
+    ``uses_server_data`` and ``data`` has no server samples; nothing otherwise. The engine calls it
+    before a run; ``medpfl train`` calls it earlier with the job's partition name."""
+    if algo.uses_server_data and not getattr(data, "has_server_data", False):
+        raise ParamsError(f"method {algo.name!r} distils on unlabeled server data and partition {partition!r} has "
+                          f"none: set partitions.{partition}.server_data (e.g. {{source: val, fraction: 0.5}}) and "
+                          "re-run the partition stage")
+
+
 #: bump when the checkpoint layout or the engine's arithmetic changes (old checkpoints restart)
 ENGINE_VERSION = 2
 
-__all__ = ["DivergenceError", "Engine", "RunResult", "UploadSpecError", "check_upload", "fingerprint", "resolve_device",
-           "make_executor"]
+__all__ = ["DivergenceError", "Engine", "RunResult", "UploadSpecError", "check_upload", "fingerprint", "make_executor",
+           "require_server_data", "resolve_device"]
 
 
 @dataclass
@@ -175,10 +185,7 @@ class Engine:
         none."""
         if not self.algo.uses_server_data:
             return
-        if not getattr(self.data, "has_server_data", False):
-            raise ParamsError(f"method {self.algo.name!r} distils on unlabeled server data, and the partition has "
-                              "none: set partitions.<name>.server_data (e.g. {source: val, fraction: 0.5}) and re-run "
-                              "the partition stage")
+        require_server_data(self.algo, self.data)
         self.algo.server_data = ServerData(self.data)
 
     # ---------------------------------------------------------------------------------------
