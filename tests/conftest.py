@@ -97,9 +97,9 @@ np.set_printoptions(precision=4, suppress=True)
 
 
 def prepare_train_job(folder, *, method, seed=1, counts=(200, 20, 60), data_seed=2, num_clients=4, min_samples=10,
-                      train=None, study="tests", mlflow=True):
+                      train=None, study="tests", mlflow=True, image_size=28):
     """A ready ``medpfl train`` job on a synthetic set in ``folder``: ``synth.npz`` (4 classes,
-    3x28x28; ``counts`` = train/val/test), ``arrays.npz`` + ``samples.parquet``, a Dirichlet(1.0)
+    3 x ``image_size`` x ``image_size``; ``counts`` = train/val/test), ``arrays.npz`` + ``samples.parquet``, a Dirichlet(1.0)
     ``partition.parquet`` over ``num_clients`` and, with ``mlflow``, a study parent
     (``parent.json``, SQLite store ``mlruns.db``). ``train`` overrides the params' train section.
     Returns ``(job, tracking uri or None)``."""
@@ -110,7 +110,7 @@ def prepare_train_job(folder, *, method, seed=1, counts=(200, 20, 60), data_seed
     from medpfl.io import md5sum, write_parquet
 
     d = Path(folder)
-    write_synthetic_npz(d / "synth.npz", 4, 3, 28, counts, seed=data_seed)
+    write_synthetic_npz(d / "synth.npz", 4, 3, image_size, counts, seed=data_seed)
     preprocess(d / "synth.npz", d / "arrays.npz", d / "samples.parquet", 4, 3)
     data = load_processed(d / "arrays.npz", d / "samples.parquet")
     params = validate_params({

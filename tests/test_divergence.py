@@ -112,3 +112,31 @@ def test_cli_train_reports_divergence_in_one_line(tmp_path, capsys):
 
     run_id = json.loads((out / "mlflow_run.json").read_text())["run_id"]
     assert MlflowClient(uri).get_run(run_id).info.status == "FAILED"
+
+
+@pytest.mark.parametrize("method, overrides", [("fedkd", {"max_grad_norm": None}), ("fedmic", {})])
+def test_low_rank_upload_of_a_diverged_client_is_a_divergence_error(fed_data, method, overrides):
+    """FedKD and FedMIC compress uploads by SVD; a diverged client's update makes ``linalg.svd``
+    fail on NaN input before the post-training check could see it. The engine turns that
+    LinAlgError into the same one-line DivergenceError."""
+    with pytest.raises(DivergenceError) as e:
+        _engine(fed_data, make_algo(method, **overrides), lr=1e4).run()
+    msg = str(e.value)
+    assert f"method {method!r} diverged in round" in msg and "train.optimizer.lr (now 10000" in msg
+    assert "a linear-algebra routine met a NaN or inf in local training (linalg.svd" in msg
+
+
+def test_other_linalg_errors_are_not_called_divergence(fed_data):
+    """A LinAlgError not caused by non-finite input propagates as it is (it is a bug, not a
+    diverged run)."""
+    algo = make_algo("fedavg")
+
+    def singular(server, uploads, clients, rnd):
+        torch.linalg.inv(torch.zeros(2, 2))
+
+    algo.aggregate = singular
+    with pytest.raises(torch.linalg.LinAlgError, match="singular"):
+        _engine(fed_data, algo).run()
+    with pytest.raises(DivergenceError, match=r"round 1/4 .*in the server update \(linalg.svd"):
+        algo.aggregate = lambda *a: torch.linalg.svd(torch.full((3, 2), float("nan")))
+        _engine(fed_data, algo).run()

@@ -305,6 +305,29 @@ def test_errors(runs: list[Path], tmp_path: Path) -> None:
         build_report(runs[4:], tmp_path / "report", partition_figures=[tmp_path / "nope.png"])
 
 
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda d: (d / "round_metrics.csv").write_text(""), "round_metrics.csv: unreadable CSV file"),
+    (lambda d: (d / "metrics.json").write_text("{not json"), "metrics.json: not valid JSON"),
+    (lambda d: (d / "metrics.json").write_text("[]"), "metrics.json: expected a JSON object"),
+    (lambda d: (d / "round_metrics.csv").write_text("round\n0\n"), "round_metrics.csv: missing columns"),
+])
+def test_medpfl_report_on_a_damaged_run_exits_2_in_one_line(runs: list[Path], tmp_path: Path, capsys, damage,
+                                                             match) -> None:
+    """``medpfl report`` names the damaged file in one error line (no traceback), exits 2 and
+    writes no report."""
+    from medpfl.cli import main
+
+    damage(runs[1])
+    out = tmp_path / "report"
+    code = main(["report", "--runs", *map(str, runs[:2]), "--out-dir", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"medpfl report: error: {runs[1]}"), err
+    assert match in lines[0] and "Traceback" not in err
+    assert not out.exists()
+
 def test_all_nan_seed_values_are_null(tmp_path: Path) -> None:
     # NaN in metrics.json (json.dumps writes it as non-standard NaN) must become null.
     d = _write_run(tmp_path / "runs", "fedavg", 1)

@@ -5,6 +5,8 @@ executors, parameter counts and peak memory are recorded, and a missing checkpoi
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -15,7 +17,7 @@ from medpfl.fl.functional import make_forward, model_state, template_on
 from medpfl.models import build_model
 from medpfl.models.vit import MissingWeightsError, lora_adapter_numel
 from medpfl.models.zoo import TINY_VIT, parameter_counts
-from tests.conftest import assert_trees_close, make_algo
+from tests.conftest import assert_trees_close, make_algo, prepare_train_job
 
 HIDDEN, BLOCKS, RANK = 32, 2, 8
 
@@ -114,6 +116,32 @@ def test_bad_vit_arguments_and_missing_weights_fail_clearly(tmp_path):
     with pytest.raises(MissingWeightsError, match=r"checkpoint=.*no-weights.*huggingface-cli download"):
         build_model("vit_lora", 3, 4, 224, {"checkpoint": str(empty)})
 
+
+
+@pytest.mark.parametrize("image_size, expected", [
+    (32, ["no-weights", "huggingface-cli download"]),  # 32 px fits the patch size 16: the weights are missing
+    (28, ["method 'fedavg' on data set 'synth'", "image side 28 px is not a multiple of the ViT patch size 16"]),
+])
+def test_medpfl_train_with_a_vit_that_cannot_be_built_exits_2_in_one_line(tmp_path, capsys, image_size, expected):
+    """Offline without the checkpoint's files, or on images the backbone cannot take, ``medpfl
+    train`` says what and how to fix it in one error line (exit 2, no traceback) and writes no
+    results."""
+    from medpfl.cli import main
+
+    empty = tmp_path / "no-weights"
+    empty.mkdir()  # a local checkpoint folder without files: no network involved
+    job, _ = prepare_train_job(tmp_path, method="fedavg", mlflow=False, counts=(40, 8, 16), image_size=image_size,
+                               train={"rounds": 1, "model": "vit_lora", "model_args": {"checkpoint": str(empty)}})
+    out = tmp_path / "run"
+    code = main(["train", "--job", json.dumps(job), "--arrays", str(tmp_path / "arrays.npz"), "--samples",
+                 str(tmp_path / "samples.parquet"), "--partition-table", str(tmp_path / "partition.parquet"),
+                 "--out-dir", str(out), "--threads", "1"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("medpfl train: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert all(x in lines[0] for x in expected), lines[0]
+    assert not (out / "records.parquet").exists()
 
 def _run(fed_data, method, executor, model="vit_lora", rounds=2, participation=0.6):
     algo = make_algo(method, num_classes=fed_data.num_classes, model=model, model_args=TINY_VIT)

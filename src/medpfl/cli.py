@@ -327,11 +327,13 @@ def known_errors() -> tuple[type[BaseException], ...]:
     from medpfl.data.schemas import TableError
     from medpfl.data.sources import DataError
     from medpfl.fl.engine import DivergenceError
+    from medpfl.io import InputFileError
+    from medpfl.models.vit import MissingWeightsError
     from medpfl.report.paper import PaperTableError
     from medpfl.tracking import TrackingError
 
     return (ParamsError, DataError, PartitionError, TableError, TrackingError, DivergenceError, PaperTableError,
-            FileNotFoundError, json.JSONDecodeError)
+            InputFileError, MissingWeightsError, FileNotFoundError, json.JSONDecodeError)
 
 
 def main(argv: list[str] | None = None) -> int:

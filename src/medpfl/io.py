@@ -29,6 +29,12 @@ import numpy as np
 TMP_PREFIX = ".medpfl-tmp-"
 
 
+class InputFileError(ValueError):
+    """An input file that exists but is not what the stage reading it expects (not valid JSON,
+    unreadable parquet or CSV, a missing key or column); the message names the file and says
+    how to recover. ``medpfl`` commands report it in one line and exit 2."""
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -91,7 +97,7 @@ def read_json(path: str | Path) -> Any:
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: file not found") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e}); delete it and re-run the stage that writes it") from None
+        raise InputFileError(f"{path}: not valid JSON ({e}); delete it and re-run the stage that writes it") from None
 
 
 # Version strings that pyarrow puts into the pandas metadata of a parquet file; nothing reads
@@ -160,7 +166,7 @@ def read_parquet(path: str | Path):
     try:
         return pd.read_parquet(path)
     except Exception as e:  # pyarrow raises several types for truncated files
-        raise ValueError(f"{path}: unreadable parquet file ({e}); delete it and re-run the stage that writes it") from None
+        raise InputFileError(f"{path}: unreadable parquet file ({e}); delete it and re-run the stage that writes it") from None
 
 
 def md5sum(path: str | Path, chunk: int = 1 << 20) -> str:

@@ -18,7 +18,7 @@ import pandas as pd
 import torch
 
 from medpfl.algorithms import resolve_method
-from medpfl.config import EvalConfig, TrainConfig
+from medpfl.config import EvalConfig, ParamsError, TrainConfig
 from medpfl.data.partition import PartitionError
 from medpfl.data.preprocess import load_processed
 from medpfl.data.schemas import SharedPartitionTable, validate
@@ -95,7 +95,10 @@ def _write_job(out_dir: Path, job: dict, env: dict, earlier: list[dict], model_s
 
 def run_training(job: dict, arrays: Path, samples: Path, partition_table: Path, out_dir: Path,
                  parent_file: Path | None = None) -> None:
-    """Run one job end to end. Raises ParamsError/DataError/TableError naming the bad input."""
+    """Run one job end to end. Raises ParamsError/DataError/TableError naming the bad input
+    (ParamsError also where ``train.model`` cannot take this data set's samples),
+    MissingWeightsError when a pretrained checkpoint is not available offline, and
+    DivergenceError when the run diverges."""
     train = TrainConfig.model_validate(job["train"])
     evalc = EvalConfig.model_validate(job["eval"])
     algo_cls, mcfg = resolve_method(job["method"], {job["method"]: {"algorithm": job["algorithm"], **job["method_params"]}})
@@ -118,7 +121,10 @@ def run_training(job: dict, arrays: Path, samples: Path, partition_table: Path, 
                              f"{job['num_clients']} (re-run the partition stage)")
     # pool all: every split was partitioned, no global test set; transform: train.transform
     fdata = FederatedData.build(data, table, device, pool=job.get("pool", "train"), transform=train.transform)
-    template = build_model(train.model, fdata.in_channels, fdata.num_classes, fdata.image_size, train.model_args)
+    try:
+        template = build_model(train.model, fdata.in_channels, fdata.num_classes, fdata.image_size, train.model_args)
+    except ValueError as e:  # the model does not fit this data set (image side, channels) or its arguments
+        raise ParamsError(f"method {job['method']!r} on data set {job['dataset']!r}: {e}") from None
     counts = parameter_counts(template)
     template = template_on(template, device)  # a frozen backbone stays real: one shared copy on the device
     _write_job(out_dir, job, env, earlier, counts)

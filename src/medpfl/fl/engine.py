@@ -28,12 +28,13 @@ state and no result file is written.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import pandas as pd
@@ -114,7 +115,8 @@ class DivergenceError(RuntimeError):
     """A run's model or state became non-finite (NaN or ±inf): training has diverged, usually
     because the learning rate is too large. Raised by :meth:`Engine.run` in the round it happens,
     before that round is logged or checkpointed; the message names the method, the round, the
-    first non-finite leaf and what to change."""
+    first non-finite leaf (or the linear-algebra routine that met one, e.g. the SVD of FedKD's or
+    FedMIC's low-rank upload) and what to change."""
 
 
 def require_server_data(algo: Algorithm, data: FederatedData, partition: str = "<name>") -> None:
@@ -244,7 +246,9 @@ class Engine:
                 if leaf.shape[:1] != (len(trainers),):
                     raise ValueError(f"method {algo.name!r}: a per-client download leaf has shape {tuple(leaf.shape)}; "
                                      f"its leading dim must be the {len(trainers)} clients that train this round")
-            models, uploads, new_states = ex.train_clients(algo, down, tree_index(client_states, tidx), trainers, rnd)
+            with self._linalg_guard(r, "in local training"):
+                models, uploads, new_states = ex.train_clients(algo, down, tree_index(client_states, tidx), trainers,
+                                                               rnd)
             self._check_finite(r, "after local training", {"upload": uploads, "client state": new_states})
             self._sync()
             t1 = time.perf_counter()
@@ -258,7 +262,8 @@ class Engine:
                 uploads = tree_index(uploads, torch.as_tensor(agg_pos, device=data.device))
             check_upload(algo.name, algo.upload_spec(), uploads, m)
             if algo.aggregates:
-                server = algo.aggregate(server, uploads, cidx, rnd)
+                with self._linalg_guard(r, "in the server update"):
+                    server = algo.aggregate(server, uploads, cidx, rnd)
             self._check_finite(r, "after the server update", {"server state": server})
             if self._is_eval_round(r):
                 new_records += self._evaluate(server, client_states, r)
@@ -300,16 +305,33 @@ class Engine:
         bad = first_nonfinite(trees)
         if bad is None:
             return
-        algo, opt = self.algo, self.train.optimizer
         tree, key = bad
+        raise self._diverged(r, f"{tree} {key} is not finite (NaN or inf) {when}")
+
+    @contextlib.contextmanager
+    def _linalg_guard(self, r: int, when: str) -> Iterator[None]:
+        """Turns a ``torch.linalg.LinAlgError`` caused by non-finite input (torch's message
+        "... contained non-finite values", e.g. ``linalg.svd`` of a diverged client's update)
+        into :class:`DivergenceError`; other linear-algebra errors propagate unchanged."""
+        try:
+            yield
+        except torch.linalg.LinAlgError as e:
+            if "non-finite" not in str(e):
+                raise
+            raise self._diverged(r, f"a linear-algebra routine met a NaN or inf {when} ({e})") from e
+
+    def _diverged(self, r: int, what: str) -> DivergenceError:
+        """The :class:`DivergenceError` for round ``r`` (0-based): method, round, ``what`` went
+        non-finite, the checkpoint kept, and what to change."""
+        algo, opt = self.algo, self.train.optimizer
         clip = [f for f in type(algo.cfg).model_fields if "clip" in f or "grad_norm" in f]
         hint = f"lower train.optimizer.lr (now {opt.lr:g}; this round's lr {opt.round_lr(r, self.train.rounds):g})"
         if clip:
             hint += f" or set the method's gradient clipping (method_params.<method>.{clip[0]})"
         kept = (f"; the checkpoint {self.checkpoint} (after round {self._checkpointed}) is kept"
                 if self.checkpoint and self._checkpointed else "")
-        raise DivergenceError(f"method {algo.name!r} diverged in round {r + 1}/{self.train.rounds} (round {r} in "
-                              f"rounds.parquet): {tree} {key} is not finite (NaN or inf) {when}{kept}; {hint}")
+        return DivergenceError(f"method {algo.name!r} diverged in round {r + 1}/{self.train.rounds} (round {r} in "
+                               f"rounds.parquet): {what}{kept}; {hint}")
 
     def round_info(self, r: int) -> RoundInfo:
         """What every hook may read about round ``r`` (lr: ``train.optimizer.round_lr``)."""

@@ -10,7 +10,7 @@ import base64
 import mimetypes
 from pathlib import Path
 
-from medpfl.io import atomic_path, write_json
+from medpfl.io import InputFileError, atomic_path, write_json
 from medpfl.report.figures import plot_curves
 from medpfl.report.paper import compare, comparison_tables, load_paper_table, paper_caption, rank_agreement
 from medpfl.report.stats import resolve_reference
@@ -70,15 +70,16 @@ def build_report(run_dirs: list[Path], out_dir: Path, partition_figures: list[Pa
       ±, the difference, both ranks) and ``paper_agreement.csv`` (Spearman rho of the rankings and
       mean |difference| per metric); the side-by-side tables are added to table.md/html.
 
-    Raises ``ValueError("report: no runs given")`` for an empty ``run_dirs``, ``ValueError``
-    naming ``report.reference`` when ``reference`` is not a method of the runs, and
-    ``FileNotFoundError`` / ``ValueError`` naming the file when an input is missing or
-    unreadable. Returns ``{"summary_csv", "table_md", "table_html", "curves_png",
+    Raises :class:`~medpfl.io.InputFileError` (a ``ValueError``) ``"report: no runs given"`` for
+    an empty ``run_dirs``, ``ParamsError`` naming ``report.reference`` when ``reference`` is not a
+    method of the runs, :class:`~medpfl.report.paper.PaperTableError` for a bad paper table, and
+    ``FileNotFoundError`` / ``InputFileError`` naming the file when an input is missing or
+    unreadable (``medpfl report`` prints each in one line and exits 2). Returns ``{"summary_csv", "table_md", "table_html", "curves_png",
     "summary_json", "paired_csv"}`` (and the paper files) mapped to the paths written.
     """
     run_dirs = [Path(d) for d in run_dirs]
     if not run_dirs:
-        raise ValueError("report: no runs given")
+        raise InputFileError("report: no runs given")
     runs = load_runs(run_dirs)
     figures = [_embed(p) for p in partition_figures]  # fail on a missing figure before writing anything
     paper = load_paper_table(paper_table) if paper_table else None  # likewise for a bad paper table

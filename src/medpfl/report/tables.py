@@ -34,7 +34,7 @@ import numpy as np
 import pandas as pd
 
 from medpfl.environment import summary as env_summary
-from medpfl.io import read_json
+from medpfl.io import InputFileError, read_json
 from medpfl.report.stats import (CI_LEVEL, NO_INTERVAL, PAIRED_METRICS, Interval, finite, paired_frame,
                                  resolve_reference, t_interval)
 
@@ -165,14 +165,14 @@ class Run:
 
 
 def read_csv(path: str | Path) -> pd.DataFrame:
-    """``pd.read_csv`` whose errors name the file (``FileNotFoundError`` / ``ValueError``)."""
+    """``pd.read_csv`` whose errors name the file (``FileNotFoundError`` / :class:`~medpfl.io.InputFileError`)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: file not found")
     try:
         return pd.read_csv(path)
     except (pd.errors.EmptyDataError, pd.errors.ParserError, UnicodeDecodeError, OSError) as e:
-        raise ValueError(f"{path}: unreadable CSV file ({e}); delete it and re-run the stage that writes it") from None
+        raise InputFileError(f"{path}: unreadable CSV file ({e}); delete it and re-run the stage that writes it") from None
 
 
 def load_run(run_dir: str | Path) -> Run:
@@ -181,12 +181,12 @@ def load_run(run_dir: str | Path) -> Run:
     mpath = run_dir / "metrics.json"
     m = read_json(mpath)
     if not isinstance(m, dict):
-        raise ValueError(f"{mpath}: expected a JSON object, got {type(m).__name__}")
+        raise InputFileError(f"{mpath}: expected a JSON object, got {type(m).__name__}")
     missing = [k for k in ("dataset", "partition", "method", "seed", "summary") if k not in m]
     if missing:
-        raise ValueError(f"{mpath}: missing keys {missing}")
+        raise InputFileError(f"{mpath}: missing keys {missing}")
     if not isinstance(m["summary"], dict):
-        raise ValueError(f"{mpath}: 'summary' must be a JSON object")
+        raise InputFileError(f"{mpath}: 'summary' must be a JSON object")
     meta = {k: m.get(k) for k in ID_KEYS}
     summary = {k: _clean(v) for k, v in m["summary"].items()}
 
@@ -194,7 +194,7 @@ def load_run(run_dir: str | Path) -> Run:
     rounds = read_csv(rpath)
     missing = [c for c in ROUND_COLUMNS if c not in rounds.columns]
     if missing:
-        raise ValueError(f"{rpath}: missing columns {missing}")
+        raise InputFileError(f"{rpath}: missing columns {missing}")
     for c in rounds.columns:
         if c != "round":
             rounds[c] = pd.to_numeric(rounds[c], errors="coerce")
@@ -205,14 +205,15 @@ def load_run(run_dir: str | Path) -> Run:
 
 
 def load_runs(run_dirs: Iterable[str | Path]) -> list[Run]:
-    """Load every run; raise ``ValueError`` on an empty list or a repeated (dataset, partition, method, seed)."""
+    """Load every run; raise :class:`~medpfl.io.InputFileError` (a ``ValueError``) on an empty list or a
+    repeated (dataset, partition, method, seed)."""
     runs = [load_run(d) for d in run_dirs]
     if not runs:
-        raise ValueError("report: no runs given")
+        raise InputFileError("report: no runs given")
     seen: dict[tuple, Path] = {}
     for r in runs:
         if r.key in seen:
-            raise ValueError(f"report: {r.run_dir} and {seen[r.key]} are the same run "
+            raise InputFileError(f"report: {r.run_dir} and {seen[r.key]} are the same run "
                              f"(dataset, partition, method, seed) = {r.key}")
         seen[r.key] = r.run_dir
     return runs
