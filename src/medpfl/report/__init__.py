@@ -74,8 +74,9 @@ def build_report(run_dirs: list[Path], out_dir: Path, partition_figures: list[Pa
     an empty ``run_dirs``, ``ParamsError`` naming ``report.reference`` when ``reference`` is not a
     method of the runs, :class:`~medpfl.report.paper.PaperTableError` for a bad paper table, and
     ``FileNotFoundError`` / ``InputFileError`` naming the file when an input is missing or
-    unreadable (``medpfl report`` prints each in one line and exits 2). Returns ``{"summary_csv", "table_md", "table_html", "curves_png",
-    "summary_json", "paired_csv"}`` (and the paper files) mapped to the paths written.
+    unreadable (``medpfl report`` prints each in one line and exits 2). Returns
+    ``{"summary_csv", "table_md", "table_html", "curves_png", "summary_json", "paired_csv"}``
+    (and the paper files) mapped to the paths written.
     """
     run_dirs = [Path(d) for d in run_dirs]
     if not run_dirs:

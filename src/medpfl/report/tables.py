@@ -214,7 +214,7 @@ def load_runs(run_dirs: Iterable[str | Path]) -> list[Run]:
     for r in runs:
         if r.key in seen:
             raise InputFileError(f"report: {r.run_dir} and {seen[r.key]} are the same run "
-                             f"(dataset, partition, method, seed) = {r.key}")
+                                 f"(dataset, partition, method, seed) = {r.key}")
         seen[r.key] = r.run_dir
     return runs
 
