@@ -53,7 +53,10 @@ def build_report(run_dirs: list[Path], out_dir: Path, partition_figures: list[Pa
         §4.2) is a separate column beside each, labelled "std over rounds (paper's ±)";
       - "Plain summary (...)": final accuracies, MB and seconds per round;
       - "Paired comparison vs <reference>": per method and metric, the mean over shared seeds of
-        (method − reference) with its 95 % t interval and whether it excludes 0.
+        (method − reference) with its 95 % t interval and whether it excludes 0;
+
+      then, for the whole report, "Wall time" (:func:`~medpfl.report.tables.wall_table`: runs and
+      the sum of their wall hours per dataset × partition and in all) and "Environment".
 
       A null value renders as "—". ``table.html`` is a self-contained page (inline CSS) that
       embeds ``curves.png`` and every file in ``partition_figures`` as base64 data URIs;

@@ -401,6 +401,31 @@ def _run_label(r: Run) -> str:
     return f"{r.meta['dataset']}/{r.meta['partition']}/{r.meta['method']}/seed{r.meta['seed']}"
 
 
+WALL_TITLE = "Wall time"
+WALL_CAPTION = (
+    "Per data set / partition and for all runs of the report: the number of runs, the sum of their wall times "
+    "(each run's training and evaluation seconds summed over its rounds, wall_seconds; a resumed run counts each "
+    "round once and not its restarts) in hours, and the longest run. Runs that ran side by side overlap in real "
+    f"time: the sum is the compute the study takes on one worker, not its elapsed time. {NULL}: no run reports it."
+)
+
+
+def wall_table(runs: list[Run]) -> pd.DataFrame:
+    """Rows ``data set / partition`` (in :func:`groups` order) and ``all runs``; columns the run
+    count, the sum of the runs' ``wall_seconds`` and the longest run's, both in hours (2
+    decimals; ``NULL`` where no run of the row has a finite ``wall_seconds``)."""
+    def row(label: str, rs: list[Run]) -> dict[str, str]:
+        w = _values(rs, "wall_seconds")
+        return {"data set / partition": label, "runs": str(len(rs)),
+                "wall h (sum of runs)": _fmt(float(w.sum()) / 3600 if w.size else None, 2),
+                "longest run h": _fmt(float(w.max()) / 3600 if w.size else None, 2)}
+
+    rows = [row(f"{ds} / {part}", [r for rs in methods.values() for r in rs])
+            for (ds, part), methods in groups(runs).items()]
+    rows.append(row("all runs", runs))
+    return pd.DataFrame(rows)
+
+
 def environment_table(runs: list[Run], max_listed: int = 12) -> pd.DataFrame:
     """One row per distinct environment fingerprint, in order of first appearance: its id, the
     short description (:func:`medpfl.environment.summary`) and the runs that used it (all of
@@ -483,6 +508,7 @@ def render_markdown(runs: list[Run], title: str = "", curves_name: str | None = 
             lines += [f"### {paper[0]}", "", f"*{paper[1]}*", ""]
             for label, t in paper[2][group]:
                 lines += [f"#### {label}", "", _md_table(t), ""]
+    lines += [f"## {WALL_TITLE}", "", _md_table(wall_table(runs)), "", f"*{WALL_CAPTION}*", ""]
     lines += [f"## {ENV_TITLE}", "", _md_table(environment_table(runs)), "", f"*{ENV_CAPTION}*", ""]
     if curves_name:
         lines += ["## Accuracy per round", "", f"![Accuracy per round]({curves_name})", ""]
@@ -542,6 +568,8 @@ def render_html(runs: list[Run], title: str = "", images: Iterable[tuple[str, st
             parts += [f"<h3>{html.escape(paper[0])}</h3>", f'<p class="caption">{html.escape(paper[1])}</p>']
             for label, t in paper[2][group]:
                 parts += [f"<h4>{html.escape(label)}</h4>", _html_table(t)]
+    parts += [f"<h2>{WALL_TITLE}</h2>", _html_table(wall_table(runs)),
+              f'<p class="caption">{html.escape(WALL_CAPTION)}</p>']
     parts += [f"<h2>{ENV_TITLE}</h2>",
               environment_table(runs).to_html(index=False, escape=True, classes=["report", "env"], border=0),
               f'<p class="caption">{html.escape(ENV_CAPTION)}</p>']
