@@ -279,7 +279,7 @@ def test_two_groups(tmp_path: Path) -> None:
 
 def test_wall_time_per_group_and_in_all(tmp_path: Path) -> None:
     """The Wall time table sums the runs' wall_seconds per (dataset, partition) and over all runs,
-    in hours, with the longest run; a group whose runs report none shows the null mark."""
+    in hours, with the longest run in minutes; a group whose runs report none shows the null mark."""
     from medpfl.report.tables import NULL, load_runs, wall_table
 
     root = tmp_path / "runs"
@@ -292,10 +292,10 @@ def test_wall_time_per_group_and_in_all(tmp_path: Path) -> None:
         (d / "metrics.json").write_text(json.dumps(m))
     t = wall_table(load_runs(dirs)).set_index("data set / partition")
     assert list(t.index) == ["bloodmnist / dir0.1", "bloodmnist / iid", "organsmnist / dir0.1", "all runs"]
-    assert t.loc["bloodmnist / dir0.1"].tolist() == ["2", "2.50", "1.50"]
-    assert t.loc["bloodmnist / iid"].tolist() == ["1", "0.25", "0.25"]
+    assert t.loc["bloodmnist / dir0.1"].tolist() == ["2", "2.50", "90.0"]
+    assert t.loc["bloodmnist / iid"].tolist() == ["1", "0.25", "15.0"]
     assert t.loc["organsmnist / dir0.1"].tolist() == ["1", NULL, NULL]
-    assert t.loc["all runs"].tolist() == ["4", "2.75", "1.50"]
+    assert t.loc["all runs"].tolist() == ["4", "2.75", "90.0"]
     paths = build_report(dirs, tmp_path / "report")
     md = paths["table_md"].read_text(encoding="utf-8")
     assert "## Wall time" in md and "| all runs " in md and md.index("## Wall time") < md.index("## Environment")

@@ -405,20 +405,21 @@ WALL_TITLE = "Wall time"
 WALL_CAPTION = (
     "Per data set / partition and for all runs of the report: the number of runs, the sum of their wall times "
     "(each run's training and evaluation seconds summed over its rounds, wall_seconds; a resumed run counts each "
-    "round once and not its restarts) in hours, and the longest run. Runs that ran side by side overlap in real "
-    f"time: the sum is the compute the study takes on one worker, not its elapsed time. {NULL}: no run reports it."
+    "round once and not its restarts) in hours, and the longest run in minutes. Runs that ran side by side overlap "
+    f"in real time: the sum is the compute the study takes on one worker, not its elapsed time. {NULL}: no run "
+    "reports it."
 )
 
 
 def wall_table(runs: list[Run]) -> pd.DataFrame:
     """Rows ``data set / partition`` (in :func:`groups` order) and ``all runs``; columns the run
-    count, the sum of the runs' ``wall_seconds`` and the longest run's, both in hours (2
-    decimals; ``NULL`` where no run of the row has a finite ``wall_seconds``)."""
+    count, the sum of the runs' ``wall_seconds`` in hours (2 decimals) and the longest run's in
+    minutes (1 decimal); ``NULL`` where no run of the row has a finite ``wall_seconds``."""
     def row(label: str, rs: list[Run]) -> dict[str, str]:
         w = _values(rs, "wall_seconds")
         return {"data set / partition": label, "runs": str(len(rs)),
                 "wall h (sum of runs)": _fmt(float(w.sum()) / 3600 if w.size else None, 2),
-                "longest run h": _fmt(float(w.max()) / 3600 if w.size else None, 2)}
+                "longest run min": _fmt(float(w.max()) / 60 if w.size else None, 1)}
 
     rows = [row(f"{ds} / {part}", [r for rs in methods.values() for r in rs])
             for (ds, part), methods in groups(runs).items()]
