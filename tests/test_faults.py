@@ -124,6 +124,45 @@ def test_exception_marks_run_failed_and_keeps_checkpoint(job_dir, monkeypatch):
     assert MlflowClient(uri).get_metric_history(run_id, "resumed_from_round")[-1].value == 2
 
 
+
+def test_resume_from_a_checkpoint_of_an_older_engine_without_newer_round_columns(fed_data, tmp_path):
+    """A checkpoint written before the round log had ``bytes_up_dense`` and ``peak_memory_bytes``
+    (older engines) resumes and finishes: those rounds hold nulls in the round log, the later
+    ones values, and the records equal an uninterrupted run's."""
+    from medpfl.metrics import summarize_run
+
+    def engine(rounds, ckpt):
+        train = TrainConfig(rounds=rounds, participation=0.6, local_epochs=1, batch_size=16, checkpoint_every=1)
+        return Engine(make_algo("fedavg"), fed_data, train, EvalConfig(every=1), seed=1,
+                      executor_kind="sequential", checkpoint=ckpt, fingerprint="old-ckpt")
+
+    def stop_in_round_3(r, row, recs):  # callbacks run before the round's checkpoint is written
+        if r == 2:
+            raise KeyboardInterrupt
+
+    ckpt = tmp_path / "checkpoint.pt"
+    e = engine(4, ckpt)
+    e.callbacks.append(stop_in_round_3)
+    with pytest.raises(KeyboardInterrupt):  # as a killed job: the checkpoint holds rounds 0 and 1
+        e.run()
+    blob = torch.load(ckpt, weights_only=False)
+    assert blob["next_round"] == 2
+    for row in blob["rounds"]:
+        del row["bytes_up_dense"], row["peak_memory_bytes"]
+    torch.save(blob, ckpt)
+
+    res = engine(4, ckpt).run()
+    assert res.resumed_from == 2
+    rounds = res.rounds
+    assert str(rounds["peak_memory_bytes"].dtype) == "Int64" and str(rounds["bytes_up_dense"].dtype) == "Int64"
+    assert rounds["peak_memory_bytes"].isna().tolist() == [True, True, False, False]
+    assert rounds["bytes_up_dense"].isna().tolist() == [True, True, False, False]
+    assert (rounds["peak_memory_bytes"].iloc[2:] > 0).all()
+    full = engine(4, None).run()
+    assert full.records.drop(columns=["loss"]).equals(res.records.drop(columns=["loss"]))
+    _, s = summarize_run(res.records, rounds, fed_data.num_clients, has_global_model=True, personalized=False)
+    assert s["peak_memory_mb"] == float(rounds["peak_memory_bytes"].max()) / 1e6
+
 def test_unreachable_tracking_server_fails_before_training(job_dir):
     d, job, uri = job_dir
     bad = json.loads((d / "parent.json").read_text())

@@ -146,8 +146,9 @@ class RoundLog(pa.DataFrameModel):
     eval_seconds: Series[float] = pa.Field(ge=0.0)
     round_seconds: Series[float] = pa.Field(ge=0.0)
     #: the process's peak memory up to this round (CUDA: allocated tensors; CPU: RSS); absent in
-    #: runs made before it was recorded
-    peak_memory_bytes: Optional[Series[int]] = pa.Field(ge=0)
+    #: runs made before it was recorded, null in the earlier rounds of a run resumed from such a
+    #: checkpoint
+    peak_memory_bytes: Optional[Series[pd.Int64Dtype]] = pa.Field(ge=0, nullable=True)
 
     class Config:
         strict = True
