@@ -124,7 +124,6 @@ def test_exception_marks_run_failed_and_keeps_checkpoint(job_dir, monkeypatch):
     assert MlflowClient(uri).get_metric_history(run_id, "resumed_from_round")[-1].value == 2
 
 
-
 def test_resume_from_a_checkpoint_of_an_older_engine_without_newer_round_columns(fed_data, tmp_path):
     """A checkpoint written before the round log had ``bytes_up_dense`` and ``peak_memory_bytes``
     (older engines) resumes and finishes: those rounds hold nulls in the round log, the later
@@ -162,6 +161,7 @@ def test_resume_from_a_checkpoint_of_an_older_engine_without_newer_round_columns
     assert full.records.drop(columns=["loss"]).equals(res.records.drop(columns=["loss"]))
     _, s = summarize_run(res.records, rounds, fed_data.num_clients, has_global_model=True, personalized=False)
     assert s["peak_memory_mb"] == float(rounds["peak_memory_bytes"].max()) / 1e6
+
 
 def test_unreachable_tracking_server_fails_before_training(job_dir):
     d, job, uri = job_dir

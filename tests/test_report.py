@@ -276,7 +276,6 @@ def test_two_groups(tmp_path: Path) -> None:
     assert _png_ok(paths["curves_png"].read_bytes())
 
 
-
 def test_wall_time_per_group_and_in_all(tmp_path: Path) -> None:
     """The Wall time table sums the runs' wall_seconds per (dataset, partition) and over all runs,
     in hours, with the longest run in minutes; a group whose runs report none shows the null mark."""
@@ -300,6 +299,7 @@ def test_wall_time_per_group_and_in_all(tmp_path: Path) -> None:
     md = paths["table_md"].read_text(encoding="utf-8")
     assert "## Wall time" in md and "| all runs " in md and md.index("## Wall time") < md.index("## Environment")
     assert "<h2>Wall time</h2>" in paths["table_html"].read_text(encoding="utf-8")
+
 
 def test_errors(runs: list[Path], tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="report: no runs given"):
@@ -330,7 +330,6 @@ def test_errors(runs: list[Path], tmp_path: Path) -> None:
         build_report(runs[4:], tmp_path / "report", partition_figures=[tmp_path / "nope.png"])
 
 
-
 @pytest.mark.parametrize("damage, match", [
     (lambda d: (d / "round_metrics.csv").write_text(""), "round_metrics.csv: unreadable CSV file"),
     (lambda d: (d / "metrics.json").write_text("{not json"), "metrics.json: not valid JSON"),
@@ -352,6 +351,7 @@ def test_medpfl_report_on_a_damaged_run_exits_2_in_one_line(runs: list[Path], tm
     assert len(lines) == 1 and lines[0].startswith(f"medpfl report: error: {runs[1]}"), err
     assert match in lines[0] and "Traceback" not in err
     assert not out.exists()
+
 
 def test_all_nan_seed_values_are_null(tmp_path: Path) -> None:
     # NaN in metrics.json (json.dumps writes it as non-standard NaN) must become null.

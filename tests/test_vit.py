@@ -117,7 +117,6 @@ def test_bad_vit_arguments_and_missing_weights_fail_clearly(tmp_path):
         build_model("vit_lora", 3, 4, 224, {"checkpoint": str(empty)})
 
 
-
 @pytest.mark.parametrize("image_size, expected", [
     (32, ["no-weights", "huggingface-cli download"]),  # 32 px fits the patch size 16: the weights are missing
     (28, ["method 'fedavg' on data set 'synth'", "image side 28 px is not a multiple of the ViT patch size 16"]),
@@ -142,6 +141,7 @@ def test_medpfl_train_with_a_vit_that_cannot_be_built_exits_2_in_one_line(tmp_pa
     assert len(lines) == 1 and "Traceback" not in err, err
     assert all(x in lines[0] for x in expected), lines[0]
     assert not (out / "records.parquet").exists()
+
 
 def _run(fed_data, method, executor, model="vit_lora", rounds=2, participation=0.6):
     algo = make_algo(method, num_classes=fed_data.num_classes, model=model, model_args=TINY_VIT)
