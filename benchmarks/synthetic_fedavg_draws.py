@@ -108,9 +108,10 @@ def main() -> None:
         gen = torch.Generator().manual_seed(1)
         w, b = torch.zeros(10, 60), torch.zeros(10)
         majority = np.mean([np.bincount(t[1].numpy(), minlength=10).max() / len(t[1]) for t in trains])
-        print(f"seed {seed}: client sizes {g.sizes.min()}-{g.sizes.max()}, largest client {g.sizes.max() / g.sizes.sum():.0%} "
-              f"of the data, mean majority-class share of the train splits {majority:.2f}; {work}" + ("" if a.no_centralised else f"; centralised MLR {100 * centralised(trains, tests, 10):.1f} %"),
-              flush=True)
+        cen = "" if a.no_centralised else f"; centralised MLR {100 * centralised(trains, tests, 10):.1f} %"
+        print(f"seed {seed}: client sizes {g.sizes.min()}-{g.sizes.max()}, largest client "
+              f"{g.sizes.max() / g.sizes.sum():.0%} of the data, mean majority-class share of the train splits "
+              f"{majority:.2f}; {work}{cen}", flush=True)
         for r in range(a.rounds):
             picked = rng.choice(k, size=k // 10, replace=False)
             models = [local_sgd(w, b, *trains[c], a.epochs, 20, 0.01, gen, a.local_steps) for c in picked]

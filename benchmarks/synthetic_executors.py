@@ -1,0 +1,53 @@
+"""Training seconds per round of the sequential and the stacked executor on the pFedKD-WCL
+Synthetic(0.5, 0.5) study's data (100 clients of 250 to 25,810 samples, 10 per round, 20 true
+local epochs, batch 20), for one method variant of ``config/pfedkd-synthetic.yaml``.
+
+It backs that config's choice of the sequential executor for the FedAvg-style methods: a round's
+steps are mostly its largest client's, which the stacked executor runs on a stack of one. Both
+executors see the same client schedule. Needs the study's data stage::
+
+    snakemake data_all --cores all --configfile config/pfedkd-synthetic.yaml
+    python -m benchmarks.synthetic_executors --method fedavg-mlp --rounds 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from medpfl.config import load_params, train_job
+from medpfl.train import run_training
+
+
+def train_seconds(root: Path, method: str, rounds: int, executor: str) -> list[float]:
+    """Per-round training seconds of ``method`` for ``rounds`` rounds with ``executor``."""
+    params = load_params(root / "params.yaml", [root / "config" / "pfedkd-synthetic.yaml"])
+    ds = "synthetic_0.5_0.5"
+    job = train_job(params, ds, "natural", method, 1)
+    job["train"].update(rounds=rounds, executor=executor, checkpoint_every=0)
+    with tempfile.TemporaryDirectory() as out:
+        run_training(job, root / "data" / "processed" / f"{ds}.npz", root / "data" / "processed" / f"{ds}.samples.parquet",
+                     root / "data" / "partitions" / ds / "natural" / "partition.parquet", Path(out))
+        return pd.read_parquet(Path(out) / "rounds.parquet")["train_seconds"].tolist()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--method", default="fedavg-mlp")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    root = Path(__file__).resolve().parents[1]
+    print(f"torch {torch.__version__}, {a.threads} thread(s), {a.method}, {a.rounds} rounds")
+    for ex in ("sequential", "stacked"):
+        s = train_seconds(root, a.method, a.rounds, ex)
+        print(f"{ex:10s} total {sum(s):6.1f} s  per round {' '.join(f'{x:.2f}' for x in s)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""How noisy a run's final-round score is: per finished run under a study's results folder, the
+paper's per-round metric (every client's accuracy on its own test split, unweighted mean over
+clients, with the model the method deploys) at the final round, its last-10-round mean, and its
+mean, std (ddof=1), min and max over the last ``--last`` rounds, in %.
+
+The deployed model's view is ``personalized_on_local`` for methods with a personalized model
+(pFedKD-WCL, pFedMe, Per-FedAvg: as ``final_client_acc_mean``) and ``global_on_local`` for the
+others. Reads only ``records.parquet``; ``docs/studies.md`` (pFedKD-WCL) quotes its output::
+
+    python scripts/round_spread.py results/pfedkd-mnist --last 50
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pandas as pd
+
+PERSONALIZED = ("perfedavg", "pfedme", "pfedkdwcl")
+
+
+def spread(records: pd.DataFrame, personalized: bool, last: int) -> dict[str, float]:
+    """Final, last-10 mean and last-``last`` mean/std/min/max of the per-round mean client accuracy (%)."""
+    view = "personalized_on_local" if personalized else "global_on_local"
+    per = 100 * records[records["view"] == view].groupby("round")["accuracy"].mean()
+    tail = per.iloc[-last:]
+    return {"final": per.iloc[-1], "last10": per.iloc[-10:].mean(), f"last{last} mean": tail.mean(),
+            f"last{last} std": tail.std(), f"last{last} min": tail.min(), f"last{last} max": tail.max()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("results", type=Path, help="a study's results folder, e.g. results/pfedkd-mnist")
+    ap.add_argument("--last", type=int, default=50)
+    a = ap.parse_args()
+    rows = []
+    for f in sorted(a.results.glob("runs/*/*/*/seed*/records.parquet")):
+        dataset, partition, method, seed = f.parts[-5:-1]
+        s = spread(pd.read_parquet(f), method.split("-")[0] in PERSONALIZED, a.last)
+        rows.append({"dataset": dataset, "partition": partition, "method": method, "seed": seed, **s})
+    if not rows:
+        raise SystemExit(f"{a.results}: no runs/*/*/*/seed*/records.parquet")
+    print(pd.DataFrame(rows).round(2).to_string(index=False))
+
+
+if __name__ == "__main__":
+    main()
