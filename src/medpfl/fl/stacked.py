@@ -78,19 +78,20 @@ def _dim_order(x: torch.Tensor) -> tuple[int, ...] | None:
 
 
 def _like_grad(stack: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
-    """A stack of matrices ``stack`` ([m, r, c]) copied into the memory layout of ``grad``
-    ([a, r, c], a <= m, the gradient of its first ``a`` rows), or None when it already has that
-    layout, the gradient is not a dense permutation (``_dim_order``) or the leaf is not a matrix.
+    """A stack of matrices ``stack`` ([m, r, c], any float dtype) copied into the memory layout of
+    ``grad`` ([a, r, c], a <= m, the gradient of its first ``a`` rows): same shape, dtype and
+    values, new strides. None when it already has that layout, the gradient is not a dense
+    permutation (``_dim_order``) or the leaf is not a matrix.
 
     Why: under ``vmap`` autograd returns a linear layer's batched weight gradient [a, out, in]
     with the strides of a transposed [a, in, out], and the in-place SGD step ``w -= lr * g``
     then reads ``g`` across cache lines (4x slower than a same-layout add for a 784x128 layer on
     a CPU; transposing ``g`` first costs the same). Keeping the stack in the gradient's layout
     makes the step a streaming add (FedAvg rounds on the MNIST MLP 1.32x faster,
-    ``benchmarks/stacked_layout.py``). Values are copied exactly; the forward's matmul then reads the weight
-    transposed, which gave bit-identical results for the MLR, the MLP and cnn4's linear layers
-    (``tests/test_engine.py``) but, as any change of kernel, may round differently elsewhere.
-    Convolution weights are left as they are (a permuted layout changed their rounding).
+    ``benchmarks/stacked_layout.py``). Values are copied exactly, but the matmuls then read the
+    weight transposed, which may round differently: the pFedKD-WCL MNIST records (MLR, MLP)
+    came out bit-identical, cnn4's parameters within 1e-8 after a round (its 512x3136 layer,
+    ``tests/test_engine.py``). Only matrices are re-laid out; convolution weights were not measured.
     """
     if grad.dim() != 3 or grad.stride()[1:] == stack.stride()[1:]:  # once laid out: no sorting per step
         return None
