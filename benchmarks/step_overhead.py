@@ -15,18 +15,15 @@ from __future__ import annotations
 
 import argparse
 import math
-import tempfile
 import time
 from pathlib import Path
 
-import pandas as pd
 import torch
 
-from medpfl.config import load_params, train_job
+from benchmarks.study_job import run_study_job
 from medpfl.data.schemas import SharedPartitionTable, validate
 from medpfl.io import read_parquet
 from medpfl.models import build_model
-from medpfl.train import run_training
 
 
 def bare_ms_per_step(model: str, steps: int, batch: int = 20) -> float:
@@ -47,14 +44,9 @@ def bare_ms_per_step(model: str, steps: int, batch: int = 20) -> float:
 
 def engine_ms_per_step(model: str, partition: str, rounds: int, root: Path) -> tuple[float, int]:
     """ms per SGD step of FedAvg-<model> in the engine; returns (ms, steps timed)."""
-    params = load_params(root / "params.yaml", [root / "config" / "pfedkd-mnist.yaml"])
-    job = train_job(params, "mnist", partition, f"fedavg-{model}", 1)
-    job["train"].update(rounds=rounds, executor="sequential", checkpoint_every=0)
+    job, log, _ = run_study_job("pfedkd-mnist", "mnist", partition, f"fedavg-{model}", rounds, root,
+                                executor="sequential")
     table_path = root / "data" / "partitions" / "mnist" / partition / "partition.parquet"
-    with tempfile.TemporaryDirectory() as out:
-        run_training(job, root / "data" / "processed" / "mnist.npz", root / "data" / "processed" / "mnist.samples.parquet",
-                     table_path, Path(out))
-        log = pd.read_parquet(Path(out) / "rounds.parquet")
     table = validate(SharedPartitionTable, read_parquet(table_path), str(table_path))
     n_train = table[table["local_split"] == "train"].groupby("client_id").size()
     bs, epochs = job["train"]["batch_size"], job["train"]["local_epochs"]

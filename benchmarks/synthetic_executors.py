@@ -13,26 +13,16 @@ executors see the same client schedule. Needs the study's data stage::
 from __future__ import annotations
 
 import argparse
-import tempfile
-from pathlib import Path
 
-import pandas as pd
 import torch
 
-from medpfl.config import load_params, train_job
-from medpfl.train import run_training
+from benchmarks.study_job import run_study_job
 
 
-def train_seconds(root: Path, method: str, rounds: int, executor: str) -> list[float]:
+def train_seconds(method: str, rounds: int, executor: str) -> list[float]:
     """Per-round training seconds of ``method`` for ``rounds`` rounds with ``executor``."""
-    params = load_params(root / "params.yaml", [root / "config" / "pfedkd-synthetic.yaml"])
-    ds = "synthetic_0.5_0.5"
-    job = train_job(params, ds, "natural", method, 1)
-    job["train"].update(rounds=rounds, executor=executor, checkpoint_every=0)
-    with tempfile.TemporaryDirectory() as out:
-        run_training(job, root / "data" / "processed" / f"{ds}.npz", root / "data" / "processed" / f"{ds}.samples.parquet",
-                     root / "data" / "partitions" / ds / "natural" / "partition.parquet", Path(out))
-        return pd.read_parquet(Path(out) / "rounds.parquet")["train_seconds"].tolist()
+    _, log, _ = run_study_job("pfedkd-synthetic", "synthetic_0.5_0.5", "natural", method, rounds, executor=executor)
+    return log["train_seconds"].tolist()
 
 
 def main() -> None:
@@ -42,10 +32,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    root = Path(__file__).resolve().parents[1]
     print(f"torch {torch.__version__}, {a.threads} thread(s), {a.method}, {a.rounds} rounds")
     for ex in ("sequential", "stacked"):
-        s = train_seconds(root, a.method, a.rounds, ex)
+        s = train_seconds(a.method, a.rounds, ex)
         print(f"{ex:10s} total {sum(s):6.1f} s  per round {' '.join(f'{x:.2f}' for x in s)}", flush=True)
 
 

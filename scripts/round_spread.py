@@ -3,9 +3,10 @@ paper's per-round metric (every client's accuracy on its own test split, unweigh
 clients, with the model the method deploys) at the final round, its last-10-round mean, and its
 mean, std (ddof=1), min and max over the last ``--last`` rounds, in %.
 
-The deployed model's view is ``personalized_on_local`` for methods with a personalized model
-(pFedKD-WCL, pFedMe, Per-FedAvg: as ``final_client_acc_mean``) and ``global_on_local`` for the
-others. Reads only ``records.parquet``; ``docs/studies.md`` (pFedKD-WCL) quotes its output::
+The deployed model's view is ``personalized_on_local`` where the run recorded one and
+``global_on_local`` otherwise, the rule ``medpfl evaluate`` applies for ``deployed_acc_mean`` and
+``final_client_acc_mean``. Reads only ``records.parquet`` (so it also reads runs not yet
+evaluated); ``docs/studies.md`` (pFedKD-WCL) quotes its output::
 
     python scripts/round_spread.py results/pfedkd-mnist --last 50
 """
@@ -17,12 +18,10 @@ from pathlib import Path
 
 import pandas as pd
 
-PERSONALIZED = ("perfedavg", "pfedme", "pfedkdwcl")
-
-
-def spread(records: pd.DataFrame, personalized: bool, last: int) -> dict[str, float]:
-    """Final, last-10 mean and last-``last`` mean/std/min/max of the per-round mean client accuracy (%)."""
-    view = "personalized_on_local" if personalized else "global_on_local"
+def spread(records: pd.DataFrame, last: int) -> dict[str, float]:
+    """Final, last-10 mean and last-``last`` mean/std/min/max of the per-round mean client accuracy (%)
+    of the deployed model's view."""
+    view = "personalized_on_local" if (records["view"] == "personalized_on_local").any() else "global_on_local"
     per = 100 * records[records["view"] == view].groupby("round")["accuracy"].mean()
     tail = per.iloc[-last:]
     return {"final": per.iloc[-1], "last10": per.iloc[-10:].mean(), f"last{last} mean": tail.mean(),
@@ -37,7 +36,7 @@ def main() -> None:
     rows = []
     for f in sorted(a.results.glob("runs/*/*/*/seed*/records.parquet")):
         dataset, partition, method, seed = f.parts[-5:-1]
-        s = spread(pd.read_parquet(f), method.split("-")[0] in PERSONALIZED, a.last)
+        s = spread(pd.read_parquet(f), a.last)
         rows.append({"dataset": dataset, "partition": partition, "method": method, "seed": seed, **s})
     if not rows:
         raise SystemExit(f"{a.results}: no runs/*/*/*/seed*/records.parquet")

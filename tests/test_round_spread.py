@@ -13,38 +13,41 @@ from helpers import REPO
 SCRIPT = REPO / "scripts" / "round_spread.py"
 
 
-def _records(rounds: int, deployed: str, other: str) -> pd.DataFrame:
+def _records(rounds: int, personalized: bool) -> pd.DataFrame:
     """Two clients per round; on the deployed view client 0 scores r/100 and client 1 scores
-    (r + 2)/100 in round r (mean (r + 1) %), the other view scores 0 (so reading it would show)."""
+    (r + 2)/100 in round r (mean (r + 1) %). A personalized run also scores its global model on
+    the local splits, at 0 (so reading that view would show); a global-only run has no
+    personalized view."""
     rows = []
     for r in range(1, rounds + 1):
         for c, acc in ((0, r / 100), (1, (r + 2) / 100)):
-            rows.append({"round": r, "client": c, "view": deployed, "accuracy": acc})
-            rows.append({"round": r, "client": c, "view": other, "accuracy": 0.0})
+            if personalized:
+                rows.append({"round": r, "client": c, "view": "personalized_on_local", "accuracy": acc})
+                rows.append({"round": r, "client": c, "view": "global_on_local", "accuracy": 0.0})
+            else:
+                rows.append({"round": r, "client": c, "view": "global_on_local", "accuracy": acc})
     return pd.DataFrame(rows)
 
 
 def test_spread_reads_the_deployed_view_and_the_last_rounds():
     spread = runpy.run_path(str(SCRIPT))["spread"]
-    recs = _records(60, "personalized_on_local", "global_on_local")
-    s = spread(recs, personalized=True, last=50)
+    s = spread(_records(60, personalized=True), last=50)
     tail = np.arange(11, 61) + 1.0  # rounds 11..60, mean accuracy r + 1 (%)
     assert s["final"] == pytest.approx(61.0)
     assert s["last10"] == pytest.approx(np.mean(np.arange(51, 61) + 1.0))  # 56.5
     assert s["last50 mean"] == pytest.approx(tail.mean())
     assert s["last50 std"] == pytest.approx(tail.std(ddof=1))
     assert (s["last50 min"], s["last50 max"]) == (pytest.approx(12.0), pytest.approx(61.0))
-    # A method without a personalized model is scored on the global model's view.
-    g = spread(_records(60, "global_on_local", "personalized_on_local"), personalized=False, last=50)
+    # A run without a personalized view is scored on the global model's view.
+    g = spread(_records(60, personalized=False), last=50)
     assert g["final"] == pytest.approx(61.0)
 
 
 def test_main_lists_every_run_with_its_deployed_view(tmp_path, monkeypatch, capsys):
-    for method, view, other in (("pfedme-mlr", "personalized_on_local", "global_on_local"),
-                                ("fedavg-mlr", "global_on_local", "personalized_on_local")):
+    for method, personalized in (("pfedme-mlr", True), ("fedavg-mlr", False)):
         run = tmp_path / "runs" / "mnist" / "a0.05-n20" / method / "seed1"
         run.mkdir(parents=True)
-        _records(20, view, other).to_parquet(run / "records.parquet")
+        _records(20, personalized).to_parquet(run / "records.parquet")
     monkeypatch.setattr(sys, "argv", ["round_spread.py", str(tmp_path), "--last", "5"])
     runpy.run_path(str(SCRIPT), run_name="__main__")
     lines = capsys.readouterr().out.splitlines()

@@ -64,42 +64,29 @@ def _permute(tree: Any, dims: Any, perm: torch.Tensor) -> Any:
     return tree_index(tree, perm)
 
 
-def _dim_order(x: torch.Tensor) -> tuple[int, ...] | None:
-    """Dims 1.. of ``x`` of size > 1, outermost first, when they tile memory densely (strides
-    are running products of sizes in that order, as for any permutation of a contiguous
-    tensor); None otherwise (expanded or sliced gradients are left alone)."""
-    dims = sorted((d for d in range(1, x.dim()) if x.shape[d] > 1), key=lambda d: (-x.stride(d), d))
-    step = 1
-    for d in reversed(dims):
-        if x.stride(d) != step:
-            return None
-        step *= x.shape[d]
-    return tuple(dims)
-
-
 def _like_grad(stack: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
     """A stack of matrices ``stack`` ([m, r, c], any float dtype) copied into the memory layout of
-    ``grad`` ([a, r, c], a <= m, the gradient of its first ``a`` rows): same shape, dtype and
-    values, new strides. None when it already has that layout, the gradient is not a dense
-    permutation (``_dim_order``) or the leaf is not a matrix.
+    ``grad`` ([a, r, c], a <= m, the gradient of its first ``a`` rows), row-major or with each
+    matrix transposed: same shape, dtype and values, new strides. None when it already has that
+    layout, the gradient has neither layout (expanded, sliced) or the leaf is not a matrix.
 
     Why: under ``vmap`` autograd returns a linear layer's batched weight gradient [a, out, in]
     with the strides of a transposed [a, in, out], and the in-place SGD step ``w -= lr * g``
-    then reads ``g`` across cache lines (4x slower than a same-layout add for a 784x128 layer on
-    a CPU; transposing ``g`` first costs the same). Keeping the stack in the gradient's layout
-    makes the step a streaming add (FedAvg rounds on the MNIST MLP 1.32x faster,
-    ``benchmarks/stacked_layout.py``). Values are copied exactly, but the matmuls then read the
-    weight transposed, which may round differently: the pFedKD-WCL MNIST records (MLR, MLP)
-    came out bit-identical, cnn4's parameters within 1e-8 after a round (its 512x3136 layer,
-    ``tests/test_engine.py``). Only matrices are re-laid out; convolution weights were not measured.
+    then reads ``g`` across cache lines (``python -m benchmarks.stacked_layout`` times that add
+    both ways). Keeping the stack in the gradient's layout makes the step a streaming add
+    (FedAvg rounds on the MNIST MLP 1.32x faster, same benchmark). Values are copied exactly,
+    but the matmuls then read the weight transposed, which may round differently: the
+    pFedKD-WCL MNIST records (MLR, MLP) came out bit-identical, cnn4's parameters within 1e-6
+    after a round (its 512x3136 layer, ``tests/test_engine.py``). Only matrices are re-laid out;
+    convolution weights were not measured.
     """
-    if grad.dim() != 3 or grad.stride()[1:] == stack.stride()[1:]:  # once laid out: no sorting per step
+    if grad.dim() != 3 or grad.stride()[1:] == stack.stride()[1:]:  # once laid out: nothing per step
         return None
-    order = _dim_order(grad)
-    if order is None or order == _dim_order(stack):
-        return None
-    perm = [0, *order, *(d for d in range(1, grad.dim()) if d not in order)]
-    return stack.permute(perm).contiguous().permute([perm.index(d) for d in range(grad.dim())])
+    if grad.transpose(1, 2).is_contiguous():
+        return None if stack.transpose(1, 2).is_contiguous() else stack.transpose(1, 2).contiguous().transpose(1, 2)
+    if grad.is_contiguous():
+        return None if stack.is_contiguous() else stack.contiguous()
+    return None
 
 
 def _pad_ids(groups: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,7 +189,6 @@ class StackedExecutor(SequentialExecutor):
             return trees, plan.steps_k
         t = trees if plan.identity else tree_index(trees, plan.perm)
         t = {tn: dict(tree) for tn, tree in t.items()}  # leaves may be re-laid out below; the caller's dicts stay
-        relaid: set[tuple[str, str]] = set()
         c = ctx if plan.identity else _permute(ctx, cdims, plan.perm)
         sc = sctx if plan.identity else tree_index(sctx, plan.perm)
         i = ids if plan.identity else ids[plan.perm]
@@ -240,7 +226,6 @@ class StackedExecutor(SequentialExecutor):
                 moved = _like_grad(t[tn][k], gk)
                 if moved is not None:  # once per phase (and back for a lone tail client): see _like_grad
                     t[tn][k] = moved
-                    relaid.add((tn, k))
                     rows[tn][k] = moved[: gk.shape[0]]
                     buf = _like_grad(bufs[tn][k], gk)
                     bufs[tn][k] = bufs[tn][k] if buf is None else buf
@@ -255,8 +240,7 @@ class StackedExecutor(SequentialExecutor):
                     for tn, leaves in project(view).items():
                         for k, v in leaves.items():
                             t[tn][k][:a].copy_(v)
-        t = {tn: {k: (v.detach().contiguous() if (tn, k) in relaid else v.detach()) for k, v in tree.items()}
-             for tn, tree in t.items()}
+        t = {tn: {k: v.detach().contiguous() for k, v in tree.items()} for tn, tree in t.items()}  # laid back
         return (t if plan.identity else tree_index(t, plan.inverse)), plan.steps_k
 
     def train_clients(self, algo: Algorithm, down: Download, states: dict[str, Any], clients: np.ndarray,
