@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from pydantic import Field
 
 from medpfl.algorithms.base import Algorithm, MethodConfig
@@ -40,5 +41,9 @@ class FedProx(Algorithm):
 
 def proximal_term(params: Params, center: Params, names) -> torch.Tensor:
     """``sum_k ||params[k] - center[k]||^2`` over ``names`` (no gradient into the center);
-    FedProx eq. 2 without its mu/2 factor. Scalar float tensor."""
-    return sum(torch.sum((params[k] - center[k].detach()) ** 2) for k in names)
+    FedProx eq. 2 without its mu/2 factor. Scalar float tensor.
+
+    As one fused ``mse_loss(reduction="sum")`` per tensor: the same value and gradient as the
+    written-out ``sum((p - c) ** 2)`` (bit-identical training records on the pFedKD-WCL MNIST
+    FedProx-MLP job), with fewer kernels and temporaries per step."""
+    return sum(F.mse_loss(params[k], center[k].detach(), reduction="sum") for k in names)
