@@ -1,5 +1,8 @@
 # One job per (dataset, partition, method, seed). The job description in params.job holds
 # every value the run uses, so Snakemake re-runs exactly the jobs whose values changed.
+# The run also writes final_model.pt beside its outputs (logged to MLflow, versioned with the run
+# directory by DVC). It is not a declared output: no stage reads it, and a run restored from a
+# study's git archive (scripts/study_archive.py: records, rounds, job) is complete without it.
 
 
 rule train:
@@ -11,7 +14,6 @@ rule train:
     output:
         records=f"{RUN_DIR}/records.parquet",
         rounds=f"{RUN_DIR}/rounds.parquet",
-        model=f"{RUN_DIR}/final_model.pt",
         job=f"{RUN_DIR}/job.json",
     params:
         job=train_json,

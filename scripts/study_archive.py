@@ -1,0 +1,171 @@
+"""Keep a long study's finished runs in git, so that a later session on a fresh machine continues
+the study instead of re-running it.
+
+A study such as ``config/pfedkd-mnist.yaml`` takes tens of core-hours on a CPU; Snakemake's
+caching lets several sessions finish it only while the run directories survive. On a machine
+whose disk does not outlive the session, and without a DVC remote, git is what survives. This
+script copies what the rest of the pipeline needs of each finished training run (the train
+rule's outputs ``records.parquet``, ``rounds.parquet``, ``job.json``, and Snakemake's metadata
+records of them, which hold the job's params and code hash) into ``results/<study>/archive/``
+(git-tracked, about 0.3 to 2 MB a run), and puts them back in a fresh clone:
+
+    python scripts/study_archive.py save pfedkd-mnist            # after runs finish; then git add
+    python scripts/study_archive.py restore pfedkd-mnist --configfile config/pfedkd-mnist.yaml
+
+``restore`` first builds each archived run's inputs (data set, partition, MLflow parent run)
+with Snakemake, then copies the archived files into ``results/<study>/runs/`` (so they are newer
+than their inputs) and their metadata into ``.snakemake/metadata/``, and finally asks Snakemake
+(a dry run with every rerun trigger) whether it regards each restored run as current. A run
+whose params or code changed since it was archived is reported and left to re-run: the archive
+never hides a change. ``final_model.pt`` (up to 20 MB a run) and the checkpoints are not kept;
+no stage reads them.
+
+The metadata records use Snakemake's file persistence layout (``.snakemake/metadata/<urlsafe
+base64 of the output path>``, Snakemake 9, as pinned in requirements.lock); the final dry run
+shows it if a future version reads them differently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+# The train rule's declared outputs (workflow/rules/train.smk): a run is restorable from these.
+RUN_FILES = ("records.parquet", "rounds.parquet", "job.json")
+METADATA_FILE = "snakemake_metadata.json"
+METADATA_DIR = Path(".snakemake") / "metadata"
+
+
+def metadata_path(output: str, root: Path = METADATA_DIR) -> Path:
+    """Where Snakemake 9's file persistence keeps the record of ``output`` (a path relative to the
+    working directory): the urlsafe base64 of the path, split into 254-character parts."""
+    b64 = base64.urlsafe_b64encode(output.encode()).decode()
+    parts = [b64[i:i + 254] for i in range(0, len(b64), 254)]
+    return root.joinpath(*["@" + p for p in parts[:-1]], parts[-1])
+
+
+def _copy_atomic(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
+def _write_atomic(text: str, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(dst.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, dst)
+
+
+def finished_runs(runs: Path) -> list[Path]:
+    """Run directories under ``runs`` whose train job finished: every declared output exists and
+    Snakemake's record of it says the job completed (``incomplete`` false)."""
+    done = []
+    for records in sorted(runs.rglob("records.parquet")):
+        run = records.parent
+        if not all((run / f).is_file() for f in RUN_FILES):
+            continue
+        meta = metadata_path((run / RUN_FILES[0]).as_posix())
+        if not meta.is_file() or json.loads(meta.read_text()).get("incomplete", True):
+            continue
+        done.append(run)
+    return done
+
+
+def save(study: str, results: Path) -> int:
+    """Copy each finished run of ``study`` into its archive; returns how many were new or changed."""
+    runs, archive = results / study / "runs", results / study / "archive"
+    if not runs.is_dir():
+        sys.exit(f"study_archive: no runs of study '{study}' in {runs}")
+    changed = 0
+    for run in finished_runs(runs):
+        dest = archive / run.relative_to(runs)
+        meta = {f: json.loads(metadata_path((run / f).as_posix()).read_text()) for f in RUN_FILES
+                if metadata_path((run / f).as_posix()).is_file()}
+        new = any(not (dest / f).is_file() or (dest / f).read_bytes() != (run / f).read_bytes()
+                  for f in RUN_FILES)
+        if not new:
+            continue
+        for f in RUN_FILES:
+            _copy_atomic(run / f, dest / f)
+        _write_atomic(json.dumps(meta, indent=1, sort_keys=True) + "\n", dest / METADATA_FILE)
+        changed += 1
+        print(f"archived {run.relative_to(runs)}")
+    print(f"study_archive: {changed} run(s) archived in {archive}")
+    return changed
+
+
+def restore(study: str, results: Path, configfiles: list[str], cores: int,
+            snakefile: Path | None = None) -> bool:
+    """Put the archived runs of ``study`` back where Snakemake expects them; returns whether
+    Snakemake then regards every restored run as current (if not, its dry run, with the reason
+    for each job, is printed and those runs will re-run).
+
+    Raises SystemExit if there is no archive or a Snakemake call fails."""
+    archive, runs = results / study / "archive", results / study / "runs"
+    if not archive.is_dir():
+        sys.exit(f"study_archive: no archive for study '{study}' ({archive})")
+    todo = [d for d in sorted(p.parent for p in archive.rglob(METADATA_FILE))
+            if not (runs / d.relative_to(archive) / RUN_FILES[0]).exists()]
+    if not todo:
+        print("study_archive: nothing to restore")
+        return True
+    snake = [sys.executable, "-m", "snakemake", "--cores", str(cores)]
+    snake += ["--snakefile", str(snakefile)] if snakefile else []
+    snake += ["--configfile", *configfiles] if configfiles else []
+    inputs = sorted({i for d in todo
+                     for i in json.loads((d / METADATA_FILE).read_text())[RUN_FILES[0]]["input"]})
+    # The inputs first, in their own invocation, so that the restored outputs are newer than them
+    # and no train job is 'updated by another job'.
+    subprocess.run([*snake, *inputs], check=True)
+    targets = []
+    for d in todo:
+        dest = runs / d.relative_to(archive)
+        meta = json.loads((d / METADATA_FILE).read_text())
+        for f in RUN_FILES:
+            _copy_atomic(d / f, dest / f)
+            if f in meta:
+                _write_atomic(json.dumps(meta[f]), metadata_path((dest / f).as_posix()))
+        targets.append((dest / RUN_FILES[0]).as_posix())
+        print(f"restored {d.relative_to(archive)}")
+    dry = subprocess.run([*snake, "--dry-run", *targets], capture_output=True, text=True)
+    if dry.returncode != 0:
+        sys.exit(f"study_archive: Snakemake's dry run over the restored runs failed:\n{dry.stderr}")
+    current = "Nothing to be done" in dry.stdout + dry.stderr
+    if not current:
+        print(dry.stdout + dry.stderr)
+        print("study_archive: Snakemake would re-run some restored runs (their params or code "
+              "changed since they were archived; reasons above)", file=sys.stderr)
+    print(f"study_archive: {len(targets)} run(s) restored into {runs}")
+    return current
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("save", help="archive the study's finished runs")
+    s.add_argument("study")
+    r = sub.add_parser("restore", help="put the archived runs back for Snakemake")
+    r.add_argument("study")
+    r.add_argument("--configfile", nargs="+", default=[],
+                   help="the study's config file(s), as given to snakemake (default: params.yaml only)")
+    r.add_argument("--snakefile", type=Path, help="default: ./Snakefile")
+    r.add_argument("--cores", type=int, default=1)
+    for p in (s, r):
+        p.add_argument("--results", type=Path, default=Path("results"))
+    args = parser.parse_args(argv)
+    if args.command == "save":
+        save(args.study, args.results)
+    else:
+        sys.exit(0 if restore(args.study, args.results, args.configfile, args.cores, args.snakefile) else 1)
+
+
+if __name__ == "__main__":
+    main()
