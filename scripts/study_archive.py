@@ -117,14 +117,17 @@ def restore(study: str, results: Path, configfiles: list[str], cores: int,
     if not todo:
         print("study_archive: nothing to restore")
         return True
-    snake = [sys.executable, "-m", "snakemake", "--cores", str(cores)]
-    snake += ["--snakefile", str(snakefile)] if snakefile else []
-    snake += ["--configfile", *configfiles] if configfiles else []
+    def snake(*args: str) -> list[str]:
+        # targets and flags before --configfile, which takes every value after it
+        cmd = [sys.executable, "-m", "snakemake", *args, "--cores", str(cores)]
+        cmd += ["--snakefile", str(snakefile)] if snakefile else []
+        return cmd + (["--configfile", *configfiles] if configfiles else [])
+
     inputs = sorted({i for d in todo
                      for i in json.loads((d / METADATA_FILE).read_text())[RUN_FILES[0]]["input"]})
     # The inputs first, in their own invocation, so that the restored outputs are newer than them
     # and no train job is 'updated by another job'.
-    subprocess.run([*snake, *inputs], check=True)
+    subprocess.run(snake(*inputs), check=True)
     targets = []
     for d in todo:
         dest = runs / d.relative_to(archive)
@@ -135,7 +138,7 @@ def restore(study: str, results: Path, configfiles: list[str], cores: int,
                 _write_atomic(json.dumps(meta[f]), metadata_path((dest / f).as_posix()))
         targets.append((dest / RUN_FILES[0]).as_posix())
         print(f"restored {d.relative_to(archive)}")
-    dry = subprocess.run([*snake, "--dry-run", *targets], capture_output=True, text=True)
+    dry = subprocess.run(snake("--dry-run", *targets), capture_output=True, text=True)
     if dry.returncode != 0:
         sys.exit(f"study_archive: Snakemake's dry run over the restored runs failed:\n{dry.stderr}")
     current = "Nothing to be done" in dry.stdout + dry.stderr

@@ -63,7 +63,8 @@ def test_archive_restores_a_finished_run_and_reruns_a_changed_one(tmp_path):
     assert "0 run(s) archived" in _script(work, env, "save", STUDY).stdout  # unchanged: not copied again
 
     _fresh_clone(work)
-    restored = _script(work, env, "restore", STUDY, "--snakefile", str(snakefile))
+    restored = _script(work, env, "restore", STUDY, "--snakefile", str(snakefile),
+                       "--configfile", "params.yaml")  # as a study's overlay is given
     assert "1 run(s) restored" in restored.stdout
     assert {f: (run / f).read_bytes() for f in trained} == trained
     assert not (run / "final_model.pt").exists()
@@ -78,7 +79,8 @@ def test_archive_restores_a_finished_run_and_reruns_a_changed_one(tmp_path):
     params = read_params(work)
     params["train"]["optimizer"]["lr"] = params["train"]["optimizer"]["lr"] / 2
     write_params(work, params)
-    stale = _script(work, env, "restore", STUDY, "--snakefile", str(snakefile), check=False)
+    stale = _script(work, env, "restore", STUDY, "--snakefile", str(snakefile),
+                    "--configfile", "params.yaml", check=False)
     assert stale.returncode == 1 and "would re-run" in stale.stderr, stale.stdout + stale.stderr
     assert "Params have changed" in stale.stdout, stale.stdout
     rerun = snakemake(work, "train_all", env=env, snakefile=snakefile)
