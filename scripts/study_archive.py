@@ -11,6 +11,7 @@ records of them, which hold the job's params and code hash) into ``results/<stud
 
     python scripts/study_archive.py save pfedkd-mnist            # after runs finish; then git add
     python scripts/study_archive.py restore pfedkd-mnist --configfile config/pfedkd-mnist.yaml
+    python scripts/study_archive.py list pfedkd-mnist            # wall time of each archived run
 
 ``restore`` first builds each archived run's inputs (data set, partition, MLflow parent run)
 with Snakemake, then copies the archived files into ``results/<study>/runs/`` (so they are newer
@@ -150,6 +151,30 @@ def restore(study: str, results: Path, configfiles: list[str], cores: int,
     return current
 
 
+def table(study: str, results: Path) -> "pd.DataFrame":
+    """One row per archived run of ``study``: rounds, training wall time (the sum of the rounds'
+    ``round_seconds``, minutes, which a resumed run adds up across sessions), seconds per round,
+    Snakemake's start and end time of the job (UTC; a resumed job's last start) and the CPU it ran
+    on (job.json ``environment.cpu_model``: float results differ slightly between CPU models)."""
+    import datetime
+
+    import pandas as pd
+
+    rows = []
+    for meta_file in sorted((results / study / "archive").rglob(METADATA_FILE)):
+        run = meta_file.parent
+        rounds = pd.read_parquet(run / "rounds.parquet", columns=["round", "round_seconds"])
+        job = json.loads((run / "job.json").read_text())
+        meta = json.loads(meta_file.read_text())[RUN_FILES[0]]
+        utc = lambda t: datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
+        rows.append({"partition": job["partition"], "run": job["method"], "seed": job["seed"],
+                     "rounds": len(rounds), "wall (min)": round(rounds["round_seconds"].sum() / 60, 1),
+                     "s / round": round(rounds["round_seconds"].mean(), 2),
+                     "started": utc(meta["starttime"]), "ended": utc(meta["endtime"]),
+                     "cpu": (job.get("environment") or {}).get("cpu_model")})
+    return pd.DataFrame(rows)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -161,11 +186,15 @@ def main(argv: list[str] | None = None) -> None:
                    help="the study's config file(s), as given to snakemake (default: params.yaml only)")
     r.add_argument("--snakefile", type=Path, help="default: ./Snakefile")
     r.add_argument("--cores", type=int, default=1)
-    for p in (s, r):
+    ls = sub.add_parser("list", help="the archived runs with their wall times (a markdown table)")
+    ls.add_argument("study")
+    for p in (s, r, ls):
         p.add_argument("--results", type=Path, default=Path("results"))
     args = parser.parse_args(argv)
     if args.command == "save":
         save(args.study, args.results)
+    elif args.command == "list":
+        print(table(args.study, args.results).to_markdown(index=False))
     else:
         sys.exit(0 if restore(args.study, args.results, args.configfile, args.cores, args.snakefile) else 1)
 

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from helpers import REPO, copy_repo, job_stats, make_env, read_params, snakemake, tiny_params, \
+from helpers import REPO, TINY_TRAIN, copy_repo, job_stats, make_env, read_params, snakemake, tiny_params, \
     write_params, write_synthetic
 
 pytestmark = pytest.mark.slow
@@ -61,6 +61,9 @@ def test_archive_restores_a_finished_run_and_reruns_a_changed_one(tmp_path):
     archived = work / "results" / STUDY / "archive" / "synth" / "d" / "fedavg" / "seed1"
     assert {p.name for p in archived.iterdir()} == {*trained, "snakemake_metadata.json"}
     assert "0 run(s) archived" in _script(work, env, "save", STUDY).stdout  # unchanged: not copied again
+    listed = _script(work, env, "list", STUDY).stdout.splitlines()
+    assert len(listed) == 3 and "| fedavg " in listed[2], listed  # header, rule, one run
+    assert int(listed[2].split("|")[4]) == TINY_TRAIN["rounds"], listed
 
     _fresh_clone(work)
     restored = _script(work, env, "restore", STUDY, "--snakefile", str(snakefile),
