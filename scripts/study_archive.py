@@ -18,8 +18,14 @@ with Snakemake, then copies the archived files into ``results/<study>/runs/`` (s
 than their inputs) and their metadata into ``.snakemake/metadata/``, and finally asks Snakemake
 (a dry run with every rerun trigger) whether it regards each restored run as current. A run
 whose params or code changed since it was archived is reported and left to re-run: the archive
-never hides a change. ``final_model.pt`` (up to 20 MB a run) and the checkpoints are not kept;
-no stage reads them.
+never hides a change. ``final_model.pt`` (up to 20 MB a run) is not kept; no stage reads it.
+
+A run still training when the session ends keeps its progress too: ``save`` also archives the
+``checkpoint.pt`` of each unfinished run (up to ``--max-checkpoint-mb``, default 2, which holds
+the FedAvg-style runs, the longest ones; the engine's checkpoint carries the rounds so far and a
+fingerprint of the job and data, so a changed job starts over rather than resuming wrongly), and
+drops it from the archive once the run has finished. ``restore`` puts it back, and the study's
+next ``snakemake`` resumes the run from it.
 
 The metadata records use Snakemake's file persistence layout (``.snakemake/metadata/<urlsafe
 base64 of the output path>``, Snakemake 9, as pinned in requirements.lock); the final dry run
@@ -40,6 +46,7 @@ from pathlib import Path
 # The train rule's declared outputs (workflow/rules/train.smk): a run is restorable from these.
 RUN_FILES = ("records.parquet", "rounds.parquet", "job.json")
 METADATA_FILE = "snakemake_metadata.json"
+CHECKPOINT = "checkpoint.pt"
 METADATA_DIR = Path(".snakemake") / "metadata"
 
 
@@ -80,13 +87,49 @@ def finished_runs(runs: Path) -> list[Path]:
     return done
 
 
-def save(study: str, results: Path) -> int:
-    """Copy each finished run of ``study`` into its archive; returns how many were new or changed."""
+def _next_round(checkpoint: Path) -> int | None:
+    """The round a checkpoint resumes at (the engine's ``next_round``), None if unreadable."""
+    import torch
+
+    try:
+        return int(torch.load(checkpoint, map_location="cpu", weights_only=False)["next_round"])
+    except Exception:  # noqa: BLE001 - a partial or foreign file: still worth keeping as is
+        return None
+
+
+def save_checkpoints(runs: Path, archive: Path, finished: list[Path], max_mb: float) -> int:
+    """Archive the ``checkpoint.pt`` of each unfinished run of ``runs`` up to ``max_mb`` MB, and
+    drop the archived checkpoint of each finished run; returns how many checkpoints were copied."""
+    copied = 0
+    for run in finished:
+        (archive / run.relative_to(runs) / CHECKPOINT).unlink(missing_ok=True)
+    for ckpt in sorted(runs.rglob(CHECKPOINT)):
+        run = ckpt.parent
+        if run in finished:
+            continue
+        dest = archive / run.relative_to(runs) / CHECKPOINT
+        size = ckpt.stat().st_size / 2**20
+        if size > max_mb:
+            print(f"checkpoint of {run.relative_to(runs)} not kept: {size:.1f} MB > {max_mb} MB")
+            continue
+        if dest.is_file() and dest.read_bytes() == ckpt.read_bytes():
+            continue
+        _copy_atomic(ckpt, dest)
+        copied += 1
+        print(f"checkpoint of {run.relative_to(runs)} (resumes at round {_next_round(ckpt)}, {size:.1f} MB)")
+    return copied
+
+
+def save(study: str, results: Path, max_checkpoint_mb: float = 2.0) -> int:
+    """Copy each finished run of ``study`` into its archive, and the checkpoints of its unfinished
+    runs (``save_checkpoints``); returns how many runs were new or changed."""
     runs, archive = results / study / "runs", results / study / "archive"
     if not runs.is_dir():
         sys.exit(f"study_archive: no runs of study '{study}' in {runs}")
     changed = 0
-    for run in finished_runs(runs):
+    finished = finished_runs(runs)
+    save_checkpoints(runs, archive, finished, max_checkpoint_mb)
+    for run in finished:
         dest = archive / run.relative_to(runs)
         meta = {f: json.loads(metadata_path((run / f).as_posix()).read_text()) for f in RUN_FILES
                 if metadata_path((run / f).as_posix()).is_file()}
@@ -113,6 +156,12 @@ def restore(study: str, results: Path, configfiles: list[str], cores: int,
     archive, runs = results / study / "archive", results / study / "runs"
     if not archive.is_dir():
         sys.exit(f"study_archive: no archive for study '{study}' ({archive})")
+    for ckpt in sorted(archive.rglob(CHECKPOINT)):
+        dest = runs / ckpt.parent.relative_to(archive)
+        if not (dest / CHECKPOINT).exists() and not (dest / RUN_FILES[0]).exists():
+            _copy_atomic(ckpt, dest / CHECKPOINT)
+            print(f"checkpoint of {ckpt.parent.relative_to(archive)} restored (the study's next run "
+                  f"resumes it at round {_next_round(ckpt)})")
     todo = [d for d in sorted(p.parent for p in archive.rglob(METADATA_FILE))
             if not (runs / d.relative_to(archive) / RUN_FILES[0]).exists()]
     if not todo:
@@ -178,8 +227,10 @@ def table(study: str, results: Path) -> "pd.DataFrame":
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("save", help="archive the study's finished runs")
+    s = sub.add_parser("save", help="archive the study's finished runs and unfinished runs' checkpoints")
     s.add_argument("study")
+    s.add_argument("--max-checkpoint-mb", type=float, default=2.0,
+                   help="largest checkpoint of an unfinished run to keep (MB; default 2)")
     r = sub.add_parser("restore", help="put the archived runs back for Snakemake")
     r.add_argument("study")
     r.add_argument("--configfile", nargs="+", default=[],
@@ -192,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--results", type=Path, default=Path("results"))
     args = parser.parse_args(argv)
     if args.command == "save":
-        save(args.study, args.results)
+        save(args.study, args.results, args.max_checkpoint_mb)
     elif args.command == "list":
         print(table(args.study, args.results).to_markdown(index=False))
     else:

@@ -1,8 +1,9 @@
 """scripts/study_archive.py: a study's finished runs survive a fresh machine through git.
 
-One tiny study (FedAvg, 4 clients, 2 rounds) trains; its runs are archived; everything but the
-archive is deleted (a fresh clone); ``restore`` rebuilds the inputs and puts the runs back, after
-which Snakemake has nothing to do. After a params edit the restored run is reported stale and
+One tiny study (FedAvg, 4 clients, 2 rounds) trains; its runs, and the checkpoints of unfinished
+runs up to a size, are archived; everything but the archive is deleted (a fresh clone);
+``restore`` rebuilds the inputs and puts the runs and checkpoints back, after which Snakemake has
+nothing to do. After a params edit the restored run is reported stale and
 re-runs: the restored Snakemake metadata is what Snakemake reads.
 """
 
@@ -14,6 +15,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from helpers import REPO, TINY_TRAIN, copy_repo, job_stats, make_env, read_params, snakemake, tiny_params, \
     write_params, write_synthetic
@@ -56,11 +58,22 @@ def test_archive_restores_a_finished_run_and_reruns_a_changed_one(tmp_path):
     trained = {f: (run / f).read_bytes() for f in ("records.parquet", "rounds.parquet", "job.json")}
     assert (run / "final_model.pt").is_file()  # written, though not a declared output
 
-    saved = _script(work, env, "save", STUDY)
-    assert "1 run(s) archived" in saved.stdout
+    # unfinished runs: a small checkpoint is kept, a big one is not; the checkpoint archived while
+    # the fedavg run was still training is dropped now that it has finished
     archived = work / "results" / STUDY / "archive" / "synth" / "d" / "fedavg" / "seed1"
+    archived.mkdir(parents=True)
+    torch.save({"next_round": 1}, archived / "checkpoint.pt")
+    small, big = run.parent.parent / "local" / "seed1", run.parent.parent / "moon" / "seed1"
+    for folder, pad in ((small, 10), (big, 40_000)):
+        folder.mkdir(parents=True)
+        torch.save({"next_round": 7, "pad": b"x" * pad}, folder / "checkpoint.pt")
+    saved = _script(work, env, "save", STUDY, "--max-checkpoint-mb", "0.02")
+    assert "1 run(s) archived" in saved.stdout
+    assert "checkpoint of synth/d/local/seed1 (resumes at round 7" in saved.stdout, saved.stdout
+    assert "checkpoint of synth/d/moon/seed1 not kept" in saved.stdout, saved.stdout
     assert {p.name for p in archived.iterdir()} == {*trained, "snakemake_metadata.json"}
-    assert "0 run(s) archived" in _script(work, env, "save", STUDY).stdout  # unchanged: not copied again
+    small_bytes = (small / "checkpoint.pt").read_bytes()
+    assert "0 run(s) archived" in _script(work, env, "save", STUDY, "--max-checkpoint-mb", "0.02").stdout  # unchanged
     listed = _script(work, env, "list", STUDY).stdout.splitlines()
     assert len(listed) == 3 and "| fedavg " in listed[2], listed  # header, rule, one run
     assert int(listed[2].split("|")[4]) == TINY_TRAIN["rounds"], listed
@@ -69,6 +82,7 @@ def test_archive_restores_a_finished_run_and_reruns_a_changed_one(tmp_path):
     restored = _script(work, env, "restore", STUDY, "--snakefile", str(snakefile),
                        "--configfile", "params.yaml")  # as a study's overlay is given
     assert "1 run(s) restored" in restored.stdout
+    assert (small / "checkpoint.pt").read_bytes() == small_bytes and not big.exists()
     assert {f: (run / f).read_bytes() for f in trained} == trained
     assert not (run / "final_model.pt").exists()
     again = snakemake(work, "train_all", env=env, snakefile=snakefile)
