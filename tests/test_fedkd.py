@@ -182,8 +182,10 @@ def test_phase_and_finish():
     assert set(up) == set(algo.upload_spec()) == {"update", "num_samples"}
     assert int(up["update"]["classifier.weight"].rank) == 1
     dec = decode_tree(up["update"], algo.forward.shapes)
+    # float32 SVD reconstructs to about eps * sigma_max * f(n) (sigma_max = 56.6 here): 2.5e-4 with
+    # MKL on an AMD EPYC (AVX-512), under 1e-5 on other CPUs; a wrong decode would be off by O(1)
     torch.testing.assert_close(dec["classifier.weight"], mentee["classifier.weight"] - start["classifier.weight"],
-                               atol=1e-5, rtol=0)
+                               atol=1e-3, rtol=0)
     torch.testing.assert_close(dec["classifier.bias"], mentee["classifier.bias"] - start["classifier.bias"])
     assert set(new) == {"mentor", "w_h"} and ev is trees["mentor"] and new["mentor"] is trees["mentor"]
     assert algo.personalized_model(new, {}) is trees["mentor"]
