@@ -21,8 +21,8 @@ whose params or code changed since it was archived is reported and left to re-ru
 never hides a change. ``final_model.pt`` (up to 20 MB a run) is not kept; no stage reads it.
 
 A run still training when the session ends keeps its progress too: ``save`` also archives the
-``checkpoint.pt`` of each unfinished run (up to ``--max-checkpoint-mb``, default 2, which holds
-the FedAvg-style runs, the longest ones; the engine's checkpoint carries the rounds so far and a
+``checkpoint.pt`` of each unfinished run, gzipped (up to ``--max-checkpoint-mb``, default 2,
+which holds the FedAvg-style runs, the longest ones; the engine's checkpoint carries the rounds so far and a
 fingerprint of the job and data, so a changed job starts over rather than resuming wrongly), and
 drops it from the archive once the run has finished. ``restore`` puts it back, and the study's
 next ``snakemake`` resumes the run from it.
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import gzip
 import json
 import os
 import shutil
@@ -47,6 +48,7 @@ from pathlib import Path
 RUN_FILES = ("records.parquet", "rounds.parquet", "job.json")
 METADATA_FILE = "snakemake_metadata.json"
 CHECKPOINT = "checkpoint.pt"
+ARCHIVED_CHECKPOINT = "checkpoint.pt.gz"  # gzip: the pickled records so far shrink about 3x
 METADATA_DIR = Path(".snakemake") / "metadata"
 
 
@@ -65,10 +67,10 @@ def _copy_atomic(src: Path, dst: Path) -> None:
     os.replace(tmp, dst)
 
 
-def _write_atomic(text: str, dst: Path) -> None:
+def _write_atomic(data: str | bytes, dst: Path) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(dst.name + ".tmp")
-    tmp.write_text(text)
+    tmp.write_bytes(data.encode() if isinstance(data, str) else data)
     os.replace(tmp, dst)
 
 
@@ -87,36 +89,42 @@ def finished_runs(runs: Path) -> list[Path]:
     return done
 
 
-def _next_round(checkpoint: Path) -> int | None:
-    """The round a checkpoint resumes at (the engine's ``next_round``), None if unreadable."""
+def _next_round(checkpoint: bytes) -> int | None:
+    """The round a checkpoint (its bytes) resumes at (the engine's ``next_round``), None if
+    unreadable."""
+    import io
+
     import torch
 
     try:
-        return int(torch.load(checkpoint, map_location="cpu", weights_only=False)["next_round"])
+        return int(torch.load(io.BytesIO(checkpoint), map_location="cpu", weights_only=False)["next_round"])
     except Exception:  # noqa: BLE001 - a partial or foreign file: still worth keeping as is
         return None
 
 
 def save_checkpoints(runs: Path, archive: Path, finished: list[Path], max_mb: float) -> int:
-    """Archive the ``checkpoint.pt`` of each unfinished run of ``runs`` up to ``max_mb`` MB, and
-    drop the archived checkpoint of each finished run; returns how many checkpoints were copied."""
+    """Archive the ``checkpoint.pt`` of each unfinished run of ``runs`` gzipped, where that is at
+    most ``max_mb`` MB, and drop the archived checkpoint of each finished run; returns how many
+    checkpoints were copied."""
     copied = 0
     for run in finished:
-        (archive / run.relative_to(runs) / CHECKPOINT).unlink(missing_ok=True)
+        (archive / run.relative_to(runs) / ARCHIVED_CHECKPOINT).unlink(missing_ok=True)
     for ckpt in sorted(runs.rglob(CHECKPOINT)):
         run = ckpt.parent
         if run in finished:
             continue
-        dest = archive / run.relative_to(runs) / CHECKPOINT
-        size = ckpt.stat().st_size / 2**20
+        dest = archive / run.relative_to(runs) / ARCHIVED_CHECKPOINT
+        raw = ckpt.read_bytes()  # the engine replaces the file atomically: a whole checkpoint
+        packed = gzip.compress(raw, compresslevel=6, mtime=0)  # same bytes for the same checkpoint
+        size = len(packed) / 2**20
         if size > max_mb:
-            print(f"checkpoint of {run.relative_to(runs)} not kept: {size:.1f} MB > {max_mb} MB")
+            print(f"checkpoint of {run.relative_to(runs)} not kept: {size:.1f} MB gzipped > {max_mb} MB")
             continue
-        if dest.is_file() and dest.read_bytes() == ckpt.read_bytes():
+        if dest.is_file() and dest.read_bytes() == packed:
             continue
-        _copy_atomic(ckpt, dest)
+        _write_atomic(packed, dest)
         copied += 1
-        print(f"checkpoint of {run.relative_to(runs)} (resumes at round {_next_round(ckpt)}, {size:.1f} MB)")
+        print(f"checkpoint of {run.relative_to(runs)} (resumes at round {_next_round(raw)}, {size:.1f} MB gzipped)")
     return copied
 
 
@@ -156,12 +164,13 @@ def restore(study: str, results: Path, configfiles: list[str], cores: int,
     archive, runs = results / study / "archive", results / study / "runs"
     if not archive.is_dir():
         sys.exit(f"study_archive: no archive for study '{study}' ({archive})")
-    for ckpt in sorted(archive.rglob(CHECKPOINT)):
+    for ckpt in sorted(archive.rglob(ARCHIVED_CHECKPOINT)):
         dest = runs / ckpt.parent.relative_to(archive)
         if not (dest / CHECKPOINT).exists() and not (dest / RUN_FILES[0]).exists():
-            _copy_atomic(ckpt, dest / CHECKPOINT)
+            raw = gzip.decompress(ckpt.read_bytes())
+            _write_atomic(raw, dest / CHECKPOINT)
             print(f"checkpoint of {ckpt.parent.relative_to(archive)} restored (the study's next run "
-                  f"resumes it at round {_next_round(ckpt)})")
+                  f"resumes it at round {_next_round(raw)})")
     todo = [d for d in sorted(p.parent for p in archive.rglob(METADATA_FILE))
             if not (runs / d.relative_to(archive) / RUN_FILES[0]).exists()]
     if not todo:

@@ -62,11 +62,11 @@ def test_archive_restores_a_finished_run_and_reruns_a_changed_one(tmp_path):
     # the fedavg run was still training is dropped now that it has finished
     archived = work / "results" / STUDY / "archive" / "synth" / "d" / "fedavg" / "seed1"
     archived.mkdir(parents=True)
-    torch.save({"next_round": 1}, archived / "checkpoint.pt")
+    torch.save({"next_round": 1}, archived / "checkpoint.pt.gz")  # any bytes: dropped unread
     small, big = run.parent.parent / "local" / "seed1", run.parent.parent / "moon" / "seed1"
     for folder, pad in ((small, 10), (big, 40_000)):
         folder.mkdir(parents=True)
-        torch.save({"next_round": 7, "pad": b"x" * pad}, folder / "checkpoint.pt")
+        torch.save({"next_round": 7, "pad": torch.randn(pad // 4)}, folder / "checkpoint.pt")  # ~incompressible
     saved = _script(work, env, "save", STUDY, "--max-checkpoint-mb", "0.02")
     assert "1 run(s) archived" in saved.stdout
     assert "checkpoint of synth/d/local/seed1 (resumes at round 7" in saved.stdout, saved.stdout
