@@ -38,11 +38,12 @@ import argparse
 import base64
 import gzip
 import json
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from medpfl.io import atomic_path
 
 # The train rule's declared outputs (workflow/rules/train.smk): a run is restorable from these.
 RUN_FILES = ("records.parquet", "rounds.parquet", "job.json")
@@ -61,17 +62,13 @@ def metadata_path(output: str, root: Path = METADATA_DIR) -> Path:
 
 
 def _copy_atomic(src: Path, dst: Path) -> None:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(dst.name + ".tmp")
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
+    with atomic_path(dst) as tmp:
+        shutil.copyfile(src, tmp)
 
 
 def _write_atomic(data: str | bytes, dst: Path) -> None:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(dst.name + ".tmp")
-    tmp.write_bytes(data.encode() if isinstance(data, str) else data)
-    os.replace(tmp, dst)
+    with atomic_path(dst) as tmp:
+        tmp.write_bytes(data.encode() if isinstance(data, str) else data)
 
 
 def finished_runs(runs: Path) -> list[Path]:
