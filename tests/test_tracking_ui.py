@@ -110,3 +110,25 @@ def test_medpfl_ui_without_the_study_says_what_to_run(tmp_path, capsys):
 def test_ui_is_documented():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert "medpfl ui" in readme
+
+
+def test_a_job_training_again_after_finishing_is_a_new_run_an_interrupted_one_continues(store):
+    uri, tmp = store
+    parent = tmp / "parent.json"
+    init_study("s1", "exp", parent, uri=uri, artifact_root=tmp / "art")
+    run_file = tmp / "run" / "mlflow_run.json"
+    first = RunLogger(parent, run_file, "d/p/fedavg/seed1", {"method": "fedavg"})
+    first.log_params({"train": {"lr": 0.1}})
+    assert not first.resumed
+    first.finish("KILLED")  # Ctrl-C: the checkpointed job goes on in the same run
+    resumed = RunLogger(parent, run_file, "d/p/fedavg/seed1", {"method": "fedavg"})
+    assert resumed.resumed and resumed.run_id == first.run_id
+    assert _client(uri).get_run(first.run_id).info.status == "RUNNING"
+    resumed.finish()
+    again = RunLogger(parent, run_file, "d/p/fedavg/seed1", {"method": "fedavg"})  # e.g. the lr was edited
+    again.log_params({"train": {"lr": 0.05}})
+    assert not again.resumed and again.run_id != first.run_id
+    assert json.loads(run_file.read_text())["run_id"] == again.run_id
+    c = _client(uri)
+    assert c.get_run(again.run_id).data.params["train.lr"] == "0.05"
+    assert c.get_run(first.run_id).data.params["train.lr"] == "0.1"

@@ -213,7 +213,10 @@ class RunLogger:
     """A child run of the study's parent: params, per-round metrics (step = round), artifacts.
 
     ``run_file`` (``mlflow_run.json`` in the run folder) records the run id as soon as the run
-    exists, so a resumed job continues the same MLflow run instead of starting a new one.
+    exists, so a resumed job (killed, failed or still marked running) continues the same MLflow
+    run instead of starting a new one. A run that FINISHED is not continued: a job that trains
+    again in the same folder after finishing (a params or code edit re-runs it) is a new run, so
+    its params and curves are not mixed into the old one's (MLflow params are immutable).
     """
 
     def __init__(self, parent_file: Path, run_file: Path, run_name: str, tags: dict[str, str], resume: bool = True):
@@ -226,7 +229,8 @@ class RunLogger:
         if resume and self.run_file.exists():
             try:
                 run_id = read_json(self.run_file)["run_id"]
-                self.client.get_run(run_id)
+                if self.client.get_run(run_id).info.status == "FINISHED":
+                    run_id = None
             except Exception:
                 run_id = None
         if run_id is None:
