@@ -20,6 +20,13 @@ than their inputs) and their metadata into ``.snakemake/metadata/``, and finally
 whose params or code changed since it was archived is reported and left to re-run: the archive
 never hides a change. ``final_model.pt`` (up to 20 MB a run) is not kept; no stage reads it.
 
+The MLflow store does not survive either, so ``restore`` also logs each restored run again as a
+child of the study's (new) parent run, from the archived files: the job as params, the same tags
+as training (plus ``medpfl.restored_from_archive``), the per-round curves (step = round, with the
+original timestamps: Snakemake's start time plus the rounds' wall time) and ``job.json``. The
+run's ``mlflow_run.json`` points to it, so the evaluate stage adds the summary metrics and plots
+as for any run. ``--no-mlflow`` skips this.
+
 A run still training when the session ends keeps its progress too: ``save`` also archives the
 ``checkpoint.pt`` of each unfinished run, gzipped (up to ``--max-checkpoint-mb``, default 2,
 which holds the FedAvg-style runs, the longest ones; the engine's checkpoint carries the rounds so far and a
@@ -152,12 +159,14 @@ def save(study: str, results: Path, max_checkpoint_mb: float = 2.0) -> int:
 
 
 def restore(study: str, results: Path, configfiles: list[str], cores: int,
-            snakefile: Path | None = None) -> bool:
+            snakefile: Path | None = None, mlflow: bool = True) -> bool:
     """Put the archived runs of ``study`` back where Snakemake expects them; returns whether
     Snakemake then regards every restored run as current (if not, its dry run, with the reason
     for each job, is printed and those runs will re-run).
 
-    Raises SystemExit if there is no archive or a Snakemake call fails."""
+    With ``mlflow``, each restored run is logged again in the study's MLflow store
+    (:func:`relog_mlflow`). Raises SystemExit if there is no archive, a Snakemake call fails or
+    the MLflow store cannot be written."""
     archive, runs = results / study / "archive", results / study / "runs"
     if not archive.is_dir():
         sys.exit(f"study_archive: no archive for study '{study}' ({archive})")
@@ -194,6 +203,18 @@ def restore(study: str, results: Path, configfiles: list[str], cores: int,
                 _write_atomic(json.dumps(meta[f]), metadata_path((dest / f).as_posix()))
         targets.append((dest / RUN_FILES[0]).as_posix())
         print(f"restored {d.relative_to(archive)}")
+    parent = results / study / "mlflow_parent.json"  # an input of every train job, built above
+    if mlflow and parent.is_file():
+        from medpfl.tracking import TrackingError
+
+        for d in todo:
+            dest = runs / d.relative_to(archive)
+            try:
+                run_id = relog_mlflow(dest, parent, json.loads((d / METADATA_FILE).read_text())[RUN_FILES[0]])
+            except TrackingError as e:
+                sys.exit(f"study_archive: {dest}: cannot log the restored run to MLflow ({e}); "
+                         "re-run with --no-mlflow to restore without it")
+            print(f"logged {d.relative_to(archive)} to MLflow (run {run_id})")
     dry = subprocess.run(snake("--dry-run", *targets), capture_output=True, text=True)
     if dry.returncode != 0:
         sys.exit(f"study_archive: Snakemake's dry run over the restored runs failed:\n{dry.stderr}")
@@ -204,6 +225,61 @@ def restore(study: str, results: Path, configfiles: list[str], cores: int,
               "changed since they were archived; reasons above)", file=sys.stderr)
     print(f"study_archive: {len(targets)} run(s) restored into {runs}")
     return current
+
+
+def relog_mlflow(run: Path, parent_file: Path, meta: dict) -> str:
+    """Log the archived run in ``run`` (its ``records.parquet``, ``rounds.parquet``, ``job.json``)
+    as a new MLflow child run of the parent in ``parent_file`` (``mlflow_parent.json``), as the
+    train stage would have: the job as params, the train stage's tags, the per-round scalars of
+    :func:`medpfl.train.round_scalars` (step = round; timestamps from Snakemake's ``starttime`` in
+    ``meta`` plus the rounds' cumulative ``round_seconds``), ``job.json`` as an artifact, status
+    FINISHED with the original start and end time. Writes ``run / mlflow_run.json`` and returns
+    the run id.
+
+    Raises :class:`medpfl.tracking.TrackingError` if the store cannot be reached."""
+    import pandas as pd
+    from mlflow.entities import Metric, Param
+
+    from medpfl.environment import mlflow_tags
+    from medpfl.io import md5sum
+    from medpfl.tracking import RunLogger, flatten, retry
+    from medpfl.train import round_scalars
+
+    full = json.loads((run / "job.json").read_text())
+    env = full.get("environment") or {}
+    job = {k: v for k, v in full.items() if k not in ("environment", "model_size", "earlier_environments")}
+    records = pd.read_parquet(run / "records.parquet")
+    rounds = pd.read_parquet(run / "rounds.parquet").sort_values("round")
+    table_file = next((Path(i) for i in meta.get("input", []) if i.endswith("partition.parquet")), None)
+    name = f"{job['dataset']}/{job['partition']}/{job['method']}/seed{job['seed']}"
+    tags = {"method": job["method"], "algorithm": job["algorithm"], "dataset": job["dataset"],
+            "partition": job["partition"], "seed": str(job["seed"]), "study": job["study"],
+            "device": str(env.get("device")), "num_clients": str(job["num_clients"]),
+            "medpfl.role": "training", "medpfl.restored_from_archive": "true", **mlflow_tags(env)}
+    if table_file is not None and table_file.is_file():
+        tags["partition_md5"] = md5sum(table_file)
+    if full.get("earlier_environments"):
+        tags["env.earlier_ids"] = ",".join(e.get("id", "?") for e in full["earlier_environments"])
+    run_file = run / "mlflow_run.json"
+    run_file.unlink(missing_ok=True)  # a run id of a store that is gone
+    logger = RunLogger(parent_file, run_file, name, tags, resume=False)
+    start_ms = int(meta["starttime"] * 1000)
+    params = [Param(k, str(v)[:6000]) for k, v in flatten(job).items()]
+    for i in range(0, len(params), 100):
+        retry(logger.client.log_batch, logger.run_id, params=params[i:i + 100])
+    by_round = {r: g.to_dict("records") for r, g in records.groupby("round")}
+    elapsed = rounds["round_seconds"].cumsum()
+    metrics = []
+    for (_, row), t in zip(rounds.iterrows(), elapsed):
+        r = int(row["round"])
+        ts = start_ms + int(t * 1000)
+        metrics += [Metric(k, float(v), ts, r) for k, v in round_scalars(by_round.get(r, []), row.to_dict()).items()
+                    if v is not None and v == v]
+    for i in range(0, len(metrics), 1000):  # MLflow's log_batch limit
+        retry(logger.client.log_batch, logger.run_id, metrics=metrics[i:i + 1000])
+    logger.log_artifact(run / "job.json")
+    retry(logger.client.set_terminated, logger.run_id, "FINISHED", int(meta["endtime"] * 1000))
+    return logger.run_id
 
 
 def table(study: str, results: Path) -> "pd.DataFrame":
@@ -243,6 +319,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="the study's config file(s), as given to snakemake (default: params.yaml only)")
     r.add_argument("--snakefile", type=Path, help="default: ./Snakefile")
     r.add_argument("--cores", type=int, default=1)
+    r.add_argument("--no-mlflow", action="store_true",
+                   help="do not log the restored runs to the study's MLflow store")
     ls = sub.add_parser("list", help="the archived runs with their wall times (a markdown table)")
     ls.add_argument("study")
     for p in (s, r, ls):
@@ -253,7 +331,8 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "list":
         print(table(args.study, args.results).to_markdown(index=False))
     else:
-        sys.exit(0 if restore(args.study, args.results, args.configfile, args.cores, args.snakefile) else 1)
+        sys.exit(0 if restore(args.study, args.results, args.configfile, args.cores, args.snakefile,
+                                not args.no_mlflow) else 1)
 
 
 if __name__ == "__main__":

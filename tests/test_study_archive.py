@@ -3,7 +3,7 @@
 One tiny study (FedAvg, 4 clients, 2 rounds) trains; its runs, and the checkpoints of unfinished
 runs up to a size, are archived; everything but the archive is deleted (a fresh clone);
 ``restore`` rebuilds the inputs and puts the runs and checkpoints back, after which Snakemake has
-nothing to do. After a params edit the restored run is reported stale and
+nothing to do, and logs each restored run to the new MLflow store with the curves training logged. After a params edit the restored run is reported stale and
 re-runs: the restored Snakemake metadata is what Snakemake reads.
 """
 
@@ -35,6 +35,30 @@ def _script(work, env, *args, check=True):
     return proc
 
 
+_CHILD_RUN = """
+import json, sys
+from mlflow.tracking import MlflowClient
+parent = json.load(open(sys.argv[1]))
+client = MlflowClient(parent["tracking_uri"])
+runs = client.search_runs([parent["experiment_id"]], f"tags.mlflow.parentRunId = '{parent['parent_run_id']}'")
+print(json.dumps([{"id": r.info.run_id, "name": r.info.run_name, "status": r.info.status, "tags": r.data.tags,
+                   "params": r.data.params,
+                   "curves": {k: sorted((m.step, m.value) for m in client.get_metric_history(r.info.run_id, k))
+                              for k in r.data.metrics}} for r in runs]))
+"""
+
+
+def _child_run(work, env):
+    """The study's one MLflow child run in ``work``'s store, as a dict (id, name, status, tags,
+    params, curves = {metric: [[step, value], ...]}). Read in a subprocess: MLflow keeps one
+    SQLite engine per URI in a process, which would go on reading a deleted store."""
+    out = subprocess.run([sys.executable, "-c", _CHILD_RUN, str(work / "results" / STUDY / "mlflow_parent.json")],
+                         env=env, capture_output=True, text=True, timeout=300, check=True).stdout
+    runs = json.loads(out.splitlines()[-1])
+    assert len(runs) == 1, [r["name"] for r in runs]
+    return runs[0]
+
+
 def _fresh_clone(work):
     """Delete what a new machine would not have: data, runs, MLflow store, Snakemake metadata."""
     for p in ("data/raw", "data/processed", "data/partitions", ".snakemake", "mlruns.db",
@@ -57,6 +81,8 @@ def test_archive_restores_a_finished_run_and_reruns_a_changed_one(tmp_path):
     run = work.joinpath(*RUN)
     trained = {f: (run / f).read_bytes() for f in ("records.parquet", "rounds.parquet", "job.json")}
     assert (run / "final_model.pt").is_file()  # written, though not a declared output
+    trained_run = _child_run(work, env)
+    assert len(trained_run["curves"]["local_acc_mean"]) == TINY_TRAIN["rounds"]
 
     # unfinished runs: a small checkpoint is kept, a big one is not; the checkpoint archived while
     # the fedavg run was still training is dropped now that it has finished
@@ -85,11 +111,24 @@ def test_archive_restores_a_finished_run_and_reruns_a_changed_one(tmp_path):
     assert (small / "checkpoint.pt").read_bytes() == small_bytes and not big.exists()
     assert {f: (run / f).read_bytes() for f in trained} == trained
     assert not (run / "final_model.pt").exists()
+    # the store did not survive: restore logged the run again, with the curves training logged
+    restored_run = _child_run(work, env)
+    assert restored_run["id"] != trained_run["id"]
+    assert restored_run["tags"]["medpfl.restored_from_archive"] == "true"
+    assert restored_run["name"] == trained_run["name"] and restored_run["status"] == "FINISHED"
+    for key in ("method", "algorithm", "partition", "seed", "partition_md5", "env.cpu_model"):
+        assert restored_run["tags"][key] == trained_run["tags"][key], key
+    assert restored_run["params"] == trained_run["params"]
+    for key, curve in trained_run["curves"].items():
+        if key != "resumed_from_round":  # training's last metric, not a curve
+            assert restored_run["curves"][key] == curve, key
     again = snakemake(work, "train_all", env=env, snakefile=snakefile)
     assert "Nothing to be done" in again.stdout and "train" not in job_stats(again.stdout), again.stdout[-2000:]
     evaluated = snakemake(work, "eval_all", env=env, snakefile=snakefile)
     assert job_stats(evaluated.stdout) == {"evaluate": 1, "eval_all": 1}, evaluated.stdout[-2000:]
-    assert json.loads((run / "metrics.json").read_text())["mlflow_run_id"] is None  # the store did not survive
+    evaluated_run = _child_run(work, env)  # the evaluate stage added the summary to the restored run
+    assert json.loads((run / "metrics.json").read_text())["mlflow_run_id"] == evaluated_run["id"] == restored_run["id"]
+    assert "avg_local_acc" in evaluated_run["curves"]
 
     # a changed hyper-parameter: the restored record holds the old params, so the run re-runs
     _fresh_clone(work)
