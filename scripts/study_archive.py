@@ -20,8 +20,8 @@ than their inputs) and their metadata into ``.snakemake/metadata/``, and finally
 whose params or code changed since it was archived is reported and left to re-run: the archive
 never hides a change. ``final_model.pt`` (up to 20 MB a run) is not kept; no stage reads it.
 
-The MLflow store does not survive either, so ``restore`` also logs each restored run again as a
-child of the study's (new) parent run, from the archived files: the job as params, the same tags
+The MLflow store does not survive either, so ``restore`` also logs each restored run that has no
+run in the study's store (also runs restored earlier) again as a child of the study's parent run, from the archived files: the job as params, the same tags
 as training (plus ``medpfl.restored_from_archive``), the per-round curves (step = round, with the
 original timestamps: Snakemake's start time plus the rounds' wall time) and ``job.json``. The
 run's ``mlflow_run.json`` points to it, so the evaluate stage adds the summary metrics and plots
@@ -164,9 +164,9 @@ def restore(study: str, results: Path, configfiles: list[str], cores: int,
     Snakemake then regards every restored run as current (if not, its dry run, with the reason
     for each job, is printed and those runs will re-run).
 
-    With ``mlflow``, each restored run is logged again in the study's MLflow store
-    (:func:`relog_mlflow`). Raises SystemExit if there is no archive, a Snakemake call fails or
-    the MLflow store cannot be written."""
+    With ``mlflow``, each restored run without a run in the study's MLflow store is logged there
+    again (:func:`log_missing_mlflow`), also when there was nothing to restore. Raises SystemExit
+    if there is no archive, a Snakemake call fails or the MLflow store cannot be written."""
     archive, runs = results / study / "archive", results / study / "runs"
     if not archive.is_dir():
         sys.exit(f"study_archive: no archive for study '{study}' ({archive})")
@@ -181,7 +181,10 @@ def restore(study: str, results: Path, configfiles: list[str], cores: int,
             if not (runs / d.relative_to(archive) / RUN_FILES[0]).exists()]
     if not todo:
         print("study_archive: nothing to restore")
+        if mlflow:
+            log_missing_mlflow(archive, runs, results / study / "mlflow_parent.json")
         return True
+
     def snake(*args: str) -> list[str]:
         # targets and flags before --configfile, which takes every value after it
         cmd = [sys.executable, "-m", "snakemake", *args, "--cores", str(cores)]
@@ -203,18 +206,8 @@ def restore(study: str, results: Path, configfiles: list[str], cores: int,
                 _write_atomic(json.dumps(meta[f]), metadata_path((dest / f).as_posix()))
         targets.append((dest / RUN_FILES[0]).as_posix())
         print(f"restored {d.relative_to(archive)}")
-    parent = results / study / "mlflow_parent.json"  # an input of every train job, built above
-    if mlflow and parent.is_file():
-        from medpfl.tracking import TrackingError
-
-        for d in todo:
-            dest = runs / d.relative_to(archive)
-            try:
-                run_id = relog_mlflow(dest, parent, json.loads((d / METADATA_FILE).read_text())[RUN_FILES[0]])
-            except TrackingError as e:
-                sys.exit(f"study_archive: {dest}: cannot log the restored run to MLflow ({e}); "
-                         "re-run with --no-mlflow to restore without it")
-            print(f"logged {d.relative_to(archive)} to MLflow (run {run_id})")
+    if mlflow:  # the parent is an input of every train job, built above
+        log_missing_mlflow(archive, runs, results / study / "mlflow_parent.json")
     dry = subprocess.run(snake("--dry-run", *targets), capture_output=True, text=True)
     if dry.returncode != 0:
         sys.exit(f"study_archive: Snakemake's dry run over the restored runs failed:\n{dry.stderr}")
@@ -225,6 +218,52 @@ def restore(study: str, results: Path, configfiles: list[str], cores: int,
               "changed since they were archived; reasons above)", file=sys.stderr)
     print(f"study_archive: {len(targets)} run(s) restored into {runs}")
     return current
+
+
+def has_mlflow_run(run: Path, parent: dict) -> bool:
+    """Whether ``run``'s ``mlflow_run.json`` names a run that exists in the store of ``parent``
+    (the study's ``mlflow_parent.json`` record)."""
+    from mlflow.tracking import MlflowClient
+
+    run_file = run / "mlflow_run.json"
+    if not run_file.is_file():
+        return False
+    info = json.loads(run_file.read_text())
+    if info.get("tracking_uri") != parent["tracking_uri"]:
+        return False
+    try:
+        MlflowClient(parent["tracking_uri"]).get_run(info["run_id"])
+    except Exception:  # noqa: BLE001 - MlflowException (no such run), a malformed record
+        return False
+    return True
+
+
+def log_missing_mlflow(archive: Path, runs: Path, parent_file: Path) -> int:
+    """Log (:func:`relog_mlflow`) each archived run whose run folder under ``runs`` holds the
+    archived records but no run in the study's MLflow store: the runs just restored, and runs
+    restored before the store existed or by an older version of this script. Returns how many
+    were logged; raises SystemExit if the store cannot be written."""
+    from medpfl.tracking import TrackingError
+
+    if not parent_file.is_file():
+        return 0
+    parent = json.loads(parent_file.read_text())
+    logged = 0
+    for d in sorted(p.parent for p in archive.rglob(METADATA_FILE)):
+        dest = runs / d.relative_to(archive)
+        records = dest / RUN_FILES[0]
+        if not records.is_file() or records.read_bytes() != (d / RUN_FILES[0]).read_bytes():
+            continue  # not restored, or trained again here (training logs its own run)
+        if has_mlflow_run(dest, parent):
+            continue
+        try:
+            run_id = relog_mlflow(dest, parent_file, json.loads((d / METADATA_FILE).read_text())[RUN_FILES[0]])
+        except TrackingError as e:
+            sys.exit(f"study_archive: {dest}: cannot log the restored run to MLflow ({e}); "
+                     "re-run with --no-mlflow to restore without it")
+        logged += 1
+        print(f"logged {d.relative_to(archive)} to MLflow (run {run_id})")
+    return logged
 
 
 def relog_mlflow(run: Path, parent_file: Path, meta: dict) -> str:

@@ -48,13 +48,18 @@ print(json.dumps([{"id": r.info.run_id, "name": r.info.run_name, "status": r.inf
 """
 
 
-def _child_run(work, env):
-    """The study's one MLflow child run in ``work``'s store, as a dict (id, name, status, tags,
-    params, curves = {metric: [[step, value], ...]}). Read in a subprocess: MLflow keeps one
-    SQLite engine per URI in a process, which would go on reading a deleted store."""
+def _child_runs(work, env):
+    """The study's MLflow child runs in ``work``'s store, as dicts (id, name, status, tags, params,
+    curves = {metric: [[step, value], ...]}). Read in a subprocess: MLflow keeps one SQLite
+    engine per URI in a process, which would go on reading a deleted store."""
     out = subprocess.run([sys.executable, "-c", _CHILD_RUN, str(work / "results" / STUDY / "mlflow_parent.json")],
                          env=env, capture_output=True, text=True, timeout=300, check=True).stdout
-    runs = json.loads(out.splitlines()[-1])
+    return json.loads(out.splitlines()[-1])
+
+
+def _child_run(work, env):
+    """The study's one MLflow child run (``_child_runs``)."""
+    runs = _child_runs(work, env)
     assert len(runs) == 1, [r["name"] for r in runs]
     return runs[0]
 
@@ -129,6 +134,14 @@ def test_archive_restores_a_finished_run_and_reruns_a_changed_one(tmp_path):
     evaluated_run = _child_run(work, env)  # the evaluate stage added the summary to the restored run
     assert json.loads((run / "metrics.json").read_text())["mlflow_run_id"] == evaluated_run["id"] == restored_run["id"]
     assert "avg_local_acc" in evaluated_run["curves"]
+    # restoring again logs nothing twice; a restored run without a run in the store (restored
+    # before the store existed, or by an older version of the script) is logged
+    again = _script(work, env, "restore", STUDY, "--snakefile", str(snakefile), "--configfile", "params.yaml")
+    assert "nothing to restore" in again.stdout and "logged" not in again.stdout, again.stdout
+    (run / "mlflow_run.json").unlink()
+    again = _script(work, env, "restore", STUDY, "--snakefile", str(snakefile), "--configfile", "params.yaml")
+    assert "logged synth/d/fedavg/seed1 to MLflow" in again.stdout, again.stdout
+    assert len(_child_runs(work, env)) == 2
 
     # a changed hyper-parameter: the restored record holds the old params, so the run re-runs
     _fresh_clone(work)
