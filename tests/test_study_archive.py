@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 
+import pandas as pd
 import pytest
 import torch
 
@@ -134,6 +135,17 @@ def test_archive_restores_a_finished_run_and_reruns_a_changed_one(tmp_path):
     evaluated_run = _child_run(work, env)  # the evaluate stage added the summary to the restored run
     assert json.loads((run / "metrics.json").read_text())["mlflow_run_id"] == evaluated_run["id"] == restored_run["id"]
     assert "avg_local_acc" in evaluated_run["curves"]
+    # the partial report of the study: its finished runs only, not a run whose outputs exist but
+    # whose job Snakemake did not record as complete (here a copy), nor the checkpoint-only runs
+    for f in trained:
+        shutil.copyfile(run / f, small / f)
+    partial = subprocess.run([sys.executable, str(REPO / "scripts" / "partial_report.py"), STUDY, "--snakefile",
+                              str(snakefile), "--configfile", "params.yaml"], cwd=work, env=env, capture_output=True,
+                             text=True, timeout=600)
+    assert partial.returncode == 0, partial.stdout + partial.stderr
+    report = work / "results" / STUDY / "report-partial"
+    assert "the 1 finished runs" in (report / "table.md").read_text()
+    assert set(pd.read_csv(report / "summary.csv")["method"]) == {"fedavg"}
     # restoring again logs nothing twice; a restored run without a run in the store (restored
     # before the store existed, or by an older version of the script) is logged
     again = _script(work, env, "restore", STUDY, "--snakefile", str(snakefile), "--configfile", "params.yaml")
