@@ -21,9 +21,10 @@ whose params or code changed since it was archived is reported and left to re-ru
 never hides a change. ``final_model.pt`` (up to 20 MB a run) is not kept; no stage reads it.
 
 The MLflow store does not survive either, so ``restore`` also logs each restored run that has no
-run in the study's store (also runs restored earlier) again as a child of the study's parent run, from the archived files: the job as params, the same tags
-as training (plus ``medpfl.restored_from_archive``), the per-round curves (step = round, with the
-original timestamps: Snakemake's start time plus the rounds' wall time) and ``job.json``. The
+run in the study's store (also runs restored earlier) again as a child of the study's parent
+run, from the archived files: the job as params, the same tags as training (plus
+``medpfl.restored_from_archive``), the per-round curves (step = round, dated back from the
+job's end by the rounds' wall time), the original start and end time, and ``job.json``. The
 run's ``mlflow_run.json`` points to it, so the evaluate stage adds the summary metrics and plots
 as for any run. ``--no-mlflow`` skips this.
 
@@ -270,9 +271,11 @@ def relog_mlflow(run: Path, parent_file: Path, meta: dict) -> str:
     """Log the archived run in ``run`` (its ``records.parquet``, ``rounds.parquet``, ``job.json``)
     as a new MLflow child run of the parent in ``parent_file`` (``mlflow_parent.json``), as the
     train stage would have: the job as params, the train stage's tags, the per-round scalars of
-    :func:`medpfl.train.round_scalars` (step = round; timestamps from Snakemake's ``starttime`` in
-    ``meta`` plus the rounds' cumulative ``round_seconds``), ``job.json`` as an artifact, status
-    FINISHED with the original start and end time. Writes ``run / mlflow_run.json`` and returns
+    :func:`medpfl.train.round_scalars` (step = round; timestamps counted back from Snakemake's
+    ``endtime`` in ``meta`` by the rounds' ``round_seconds``), ``job.json`` as an artifact, status
+    FINISHED with the original end time and the start time Snakemake recorded (for a job resumed
+    across sessions, which Snakemake dates from its last start: the end minus the rounds' wall
+    time). Writes ``run / mlflow_run.json`` and returns
     the run id.
 
     Raises :class:`medpfl.tracking.TrackingError` if the store cannot be reached."""
@@ -301,8 +304,13 @@ def relog_mlflow(run: Path, parent_file: Path, meta: dict) -> str:
         tags["env.earlier_ids"] = ",".join(e.get("id", "?") for e in full["earlier_environments"])
     run_file = run / "mlflow_run.json"
     run_file.unlink(missing_ok=True)  # a run id of a store that is gone
-    logger = RunLogger(parent_file, run_file, name, tags, resume=False)
-    start_ms = int(meta["starttime"] * 1000)
+    # Snakemake records a resumed job's last start only: the run starts at that or, if earlier,
+    # at its end minus the rounds' wall time, and round r is logged at the end minus the wall time
+    # of the rounds after it (exact for the last session's rounds, never past the end)
+    end_ms = int(meta["endtime"] * 1000)
+    total = float(rounds["round_seconds"].sum())
+    start_ms = min(int(meta["starttime"] * 1000), end_ms - int(total * 1000))
+    logger = RunLogger(parent_file, run_file, name, tags, resume=False, start_time=start_ms)
     params = [Param(k, str(v)[:6000]) for k, v in flatten(job).items()]
     for i in range(0, len(params), 100):
         retry(logger.client.log_batch, logger.run_id, params=params[i:i + 100])
@@ -311,13 +319,13 @@ def relog_mlflow(run: Path, parent_file: Path, meta: dict) -> str:
     metrics = []
     for (_, row), t in zip(rounds.iterrows(), elapsed):
         r = int(row["round"])
-        ts = start_ms + int(t * 1000)
+        ts = end_ms - int((total - t) * 1000)
         metrics += [Metric(k, float(v), ts, r) for k, v in round_scalars(by_round.get(r, []), row.to_dict()).items()
                     if v is not None and v == v]
     for i in range(0, len(metrics), 1000):  # MLflow's log_batch limit
         retry(logger.client.log_batch, logger.run_id, metrics=metrics[i:i + 1000])
     logger.log_artifact(run / "job.json")
-    retry(logger.client.set_terminated, logger.run_id, "FINISHED", int(meta["endtime"] * 1000))
+    retry(logger.client.set_terminated, logger.run_id, "FINISHED", end_ms)
     return logger.run_id
 
 

@@ -13,6 +13,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 
 import pandas as pd
 import pytest
@@ -43,6 +44,7 @@ parent = json.load(open(sys.argv[1]))
 client = MlflowClient(parent["tracking_uri"])
 runs = client.search_runs([parent["experiment_id"]], f"tags.mlflow.parentRunId = '{parent['parent_run_id']}'")
 print(json.dumps([{"id": r.info.run_id, "name": r.info.run_name, "status": r.info.status, "tags": r.data.tags,
+                   "start": r.info.start_time, "end": r.info.end_time,
                    "params": r.data.params,
                    "curves": {k: sorted((m.step, m.value) for m in client.get_metric_history(r.info.run_id, k))
                               for k in r.data.metrics}} for r in runs]))
@@ -111,6 +113,7 @@ def test_archive_restores_a_finished_run_and_reruns_a_changed_one(tmp_path):
     assert int(listed[2].split("|")[4]) == TINY_TRAIN["rounds"], listed
 
     _fresh_clone(work)
+    before_restore_ms = time.time() * 1000
     restored = _script(work, env, "restore", STUDY, "--snakefile", str(snakefile),
                        "--configfile", "params.yaml")  # as a study's overlay is given
     assert "1 run(s) restored" in restored.stdout
@@ -122,6 +125,10 @@ def test_archive_restores_a_finished_run_and_reruns_a_changed_one(tmp_path):
     assert restored_run["id"] != trained_run["id"]
     assert restored_run["tags"]["medpfl.restored_from_archive"] == "true"
     assert restored_run["name"] == trained_run["name"] and restored_run["status"] == "FINISHED"
+    # dated as trained (Snakemake's record of the job, within the job's start-up of MLflow's)
+    assert restored_run["start"] <= restored_run["end"] < before_restore_ms
+    assert abs(restored_run["end"] - trained_run["end"]) < 30_000
+    assert abs(restored_run["start"] - trained_run["start"]) < 30_000, (restored_run["start"], trained_run["start"])
     for key in ("method", "algorithm", "partition", "seed", "partition_md5", "env.cpu_model"):
         assert restored_run["tags"][key] == trained_run["tags"][key], key
     assert restored_run["params"] == trained_run["params"]

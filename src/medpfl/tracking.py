@@ -217,9 +217,11 @@ class RunLogger:
     run instead of starting a new one. A run that FINISHED is not continued: a job that trains
     again in the same folder after finishing (a params or code edit re-runs it) is a new run, so
     its params and curves are not mixed into the old one's (MLflow params are immutable).
+    ``start_time`` (ms since the epoch) dates a new run (default: now).
     """
 
-    def __init__(self, parent_file: Path, run_file: Path, run_name: str, tags: dict[str, str], resume: bool = True):
+    def __init__(self, parent_file: Path, run_file: Path, run_name: str, tags: dict[str, str], resume: bool = True,
+                 start_time: int | None = None):
         parent = read_json(parent_file)
         self.uri = parent["tracking_uri"]
         check_reachable(self.uri)
@@ -235,7 +237,8 @@ class RunLogger:
                 run_id = None
         if run_id is None:
             all_tags = {"mlflow.parentRunId": parent["parent_run_id"], "mlflow.runName": run_name, **tags}
-            run = retry(self.client.create_run, parent["experiment_id"], run_name=run_name, tags=all_tags)
+            run = retry(self.client.create_run, parent["experiment_id"], start_time=start_time, run_name=run_name,
+                        tags=all_tags)
             run_id = run.info.run_id
             write_json(self.run_file, {"run_id": run_id, "experiment_id": parent["experiment_id"],
                                        "parent_run_id": parent["parent_run_id"], "tracking_uri": self.uri})
