@@ -275,8 +275,8 @@ def relog_mlflow(run: Path, parent_file: Path, meta: dict) -> str:
     ``endtime`` in ``meta`` by the rounds' ``round_seconds``), ``job.json`` as an artifact, status
     FINISHED with the original end time and the start time Snakemake recorded (for a job resumed
     across sessions, which Snakemake dates from its last start: the end minus the rounds' wall
-    time). Writes ``run / mlflow_run.json`` and returns
-    the run id.
+    time). Writes ``run / mlflow_run.json`` and returns the run id; if logging fails, the run is
+    marked FAILED and ``mlflow_run.json`` removed, so the next ``restore`` logs it again.
 
     Raises :class:`medpfl.tracking.TrackingError` if the store cannot be reached."""
     import pandas as pd
@@ -310,21 +310,25 @@ def relog_mlflow(run: Path, parent_file: Path, meta: dict) -> str:
     end_ms = int(meta["endtime"] * 1000)
     total = float(rounds["round_seconds"].sum())
     start_ms = min(int(meta["starttime"] * 1000), end_ms - int(total * 1000))
-    logger = RunLogger(parent_file, run_file, name, tags, resume=False, start_time=start_ms)
-    params = [Param(k, str(v)[:6000]) for k, v in flatten(job).items()]
-    for i in range(0, len(params), 100):
-        retry(logger.client.log_batch, logger.run_id, params=params[i:i + 100])
     by_round = {r: g.to_dict("records") for r, g in records.groupby("round")}
-    elapsed = rounds["round_seconds"].cumsum()
     metrics = []
-    for (_, row), t in zip(rounds.iterrows(), elapsed):
+    for (_, row), t in zip(rounds.iterrows(), rounds["round_seconds"].cumsum()):
         r = int(row["round"])
         ts = end_ms - int((total - t) * 1000)
         metrics += [Metric(k, float(v), ts, r) for k, v in round_scalars(by_round.get(r, []), row.to_dict()).items()
                     if v is not None and v == v]
-    for i in range(0, len(metrics), 1000):  # MLflow's log_batch limit
-        retry(logger.client.log_batch, logger.run_id, metrics=metrics[i:i + 1000])
-    logger.log_artifact(run / "job.json")
+    params = [Param(k, str(v)[:6000]) for k, v in flatten(job).items()]
+    logger = RunLogger(parent_file, run_file, name, tags, resume=False, start_time=start_ms)
+    try:
+        for i in range(0, len(params), 100):
+            retry(logger.client.log_batch, logger.run_id, params=params[i:i + 100])
+        for i in range(0, len(metrics), 1000):  # MLflow's log_batch limit
+            retry(logger.client.log_batch, logger.run_id, metrics=metrics[i:i + 1000])
+        logger.log_artifact(run / "job.json")
+    except BaseException:
+        run_file.unlink(missing_ok=True)
+        logger.finish("FAILED")
+        raise
     retry(logger.client.set_terminated, logger.run_id, "FINISHED", end_ms)
     return logger.run_id
 

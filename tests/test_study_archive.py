@@ -173,3 +173,53 @@ def test_archive_restores_a_finished_run_and_reruns_a_changed_one(tmp_path):
     assert "Params have changed" in stale.stdout, stale.stdout
     rerun = snakemake(work, "train_all", env=env, snakefile=snakefile)
     assert job_stats(rerun.stdout).get("train") == 1, rerun.stdout[-2000:]
+
+
+def _fake_run(folder):
+    """A finished run's archived files, two rounds of two clients, written by hand."""
+    folder.mkdir(parents=True)
+    rows = [{"round": r, "view": "global_on_local", "client_id": c, "n_samples": 10, "correct": 5 + r + c,
+             "accuracy": (5 + r + c) / 10, "balanced_accuracy": 0.5, "loss": 1.0} for r in (0, 1) for c in (0, 1)]
+    pd.DataFrame(rows).to_parquet(folder / "records.parquet")
+    pd.DataFrame({"round": [0, 1], "lr": [0.01, 0.01], "bytes_up": [8, 8], "bytes_down": [8, 8],
+                  "train_seconds": [2.0, 3.0], "eval_seconds": [0.5, 0.5], "round_seconds": [2.5, 3.5]}
+                 ).to_parquet(folder / "rounds.parquet")
+    job = {"study": "s", "dataset": "d", "partition": "p", "method": "fedavg", "algorithm": "fedavg", "seed": 1,
+           "num_clients": 2, "train": {"rounds": 2}, "environment": {"device": "cpu", "cpu_model": "X"}}
+    (folder / "job.json").write_text(json.dumps(job))
+    return {"starttime": 1_000_000.0, "endtime": 1_000_010.0, "input": []}
+
+
+def test_relog_dates_the_run_and_marks_a_failed_logging_for_the_next_restore(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    import study_archive
+
+    import medpfl.tracking as tracking
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/mlruns.db"
+    tracking.init_study("s", "s", tmp_path / "parent.json", uri=uri, artifact_root=tmp_path / "art")
+    meta = _fake_run(tmp_path / "run")
+    run_id = study_archive.relog_mlflow(tmp_path / "run", tmp_path / "parent.json", meta)
+    c = MlflowClient(uri)
+    run = c.get_run(run_id)
+    assert (run.info.status, run.info.start_time, run.info.end_time) == ("FINISHED", 1_000_000_000, 1_000_010_000)
+    # round 1 ends at the job's end; round 0 one round (3.5 s) earlier
+    hist = sorted((m.step, m.timestamp, m.value) for m in c.get_metric_history(run_id, "global_on_local_mean"))
+    assert [(step, ts) for step, ts, _ in hist] == [(0, 1_000_006_500), (1, 1_000_010_000)]
+    assert [v for _, _, v in hist] == pytest.approx([0.55, 0.65])  # (0.5 + 0.6) / 2, (0.6 + 0.7) / 2
+
+    real = tracking.retry
+
+    def fail_on_metrics(fn, *args, **kwargs):
+        if kwargs.get("metrics"):
+            raise OSError("disk full")
+        return real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(tracking, "retry", fail_on_metrics)
+    with pytest.raises(OSError, match="disk full"):
+        study_archive.relog_mlflow(tmp_path / "run", tmp_path / "parent.json", meta)
+    assert not (tmp_path / "run" / "mlflow_run.json").exists()  # the next restore logs it again
+    failed = [r for r in c.search_runs([run.info.experiment_id]) if r.info.run_id != run_id
+              and r.data.tags.get("medpfl.restored_from_archive")]
+    assert [r.info.status for r in failed] == ["FAILED"]
