@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from study_archive import finished_runs
+from study_archive import finished_runs, snakemake_cmd
 
 
 def partial_report(study: str, configfiles: list[str], results: Path, out_dir: Path | None, cores: int,
@@ -37,9 +37,7 @@ def partial_report(study: str, configfiles: list[str], results: Path, out_dir: P
     runs = finished_runs(results / study / "runs")
     if not runs:
         sys.exit(f"partial_report: no finished run of study {study!r} in {results / study / 'runs'}")
-    cmd = [sys.executable, "-m", "snakemake", *[(r / "metrics.json").as_posix() for r in runs], "--cores", str(cores)]
-    cmd += ["--snakefile", str(snakefile)] if snakefile else []
-    cmd += ["--configfile", *configfiles] if configfiles else []
+    cmd = snakemake_cmd([(r / "metrics.json").as_posix() for r in runs], cores, snakefile, configfiles)
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"partial_report: evaluating the finished runs failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")

@@ -69,6 +69,14 @@ def metadata_path(output: str, root: Path = METADATA_DIR) -> Path:
     return root.joinpath(*["@" + p for p in parts[:-1]], parts[-1])
 
 
+def snakemake_cmd(args, cores: int, snakefile: Path | None, configfiles: list[str]) -> list[str]:
+    """The Snakemake command line for ``args`` (targets and flags) of the study given by
+    ``configfiles``: the flags before ``--configfile``, which takes every value after it."""
+    cmd = [sys.executable, "-m", "snakemake", *args, "--cores", str(cores)]
+    cmd += ["--snakefile", str(snakefile)] if snakefile else []
+    return cmd + (["--configfile", *configfiles] if configfiles else [])
+
+
 def _copy_atomic(src: Path, dst: Path) -> None:
     with atomic_path(dst) as tmp:
         shutil.copyfile(src, tmp)
@@ -187,10 +195,7 @@ def restore(study: str, results: Path, configfiles: list[str], cores: int,
         return True
 
     def snake(*args: str) -> list[str]:
-        # targets and flags before --configfile, which takes every value after it
-        cmd = [sys.executable, "-m", "snakemake", *args, "--cores", str(cores)]
-        cmd += ["--snakefile", str(snakefile)] if snakefile else []
-        return cmd + (["--configfile", *configfiles] if configfiles else [])
+        return snakemake_cmd(args, cores, snakefile, configfiles)
 
     inputs = sorted({i for d in todo
                      for i in json.loads((d / METADATA_FILE).read_text())[RUN_FILES[0]]["input"]})
@@ -221,11 +226,9 @@ def restore(study: str, results: Path, configfiles: list[str], cores: int,
     return current
 
 
-def has_mlflow_run(run: Path, parent: dict) -> bool:
+def has_mlflow_run(run: Path, parent: dict, client) -> bool:
     """Whether ``run``'s ``mlflow_run.json`` names a run that exists in the store of ``parent``
-    (the study's ``mlflow_parent.json`` record)."""
-    from mlflow.tracking import MlflowClient
-
+    (the study's ``mlflow_parent.json`` record; ``client``: an ``MlflowClient`` of that store)."""
     run_file = run / "mlflow_run.json"
     if not run_file.is_file():
         return False
@@ -233,7 +236,7 @@ def has_mlflow_run(run: Path, parent: dict) -> bool:
     if info.get("tracking_uri") != parent["tracking_uri"]:
         return False
     try:
-        MlflowClient(parent["tracking_uri"]).get_run(info["run_id"])
+        client.get_run(info["run_id"])
     except Exception:  # noqa: BLE001 - MlflowException (no such run), a malformed record
         return False
     return True
@@ -244,18 +247,21 @@ def log_missing_mlflow(archive: Path, runs: Path, parent_file: Path) -> int:
     archived records but no run in the study's MLflow store: the runs just restored, and runs
     restored before the store existed or by an older version of this script. Returns how many
     were logged; raises SystemExit if the store cannot be written."""
+    from mlflow.tracking import MlflowClient
+
     from medpfl.tracking import TrackingError
 
     if not parent_file.is_file():
         return 0
     parent = json.loads(parent_file.read_text())
+    client = MlflowClient(parent["tracking_uri"])
     logged = 0
     for d in sorted(p.parent for p in archive.rglob(METADATA_FILE)):
         dest = runs / d.relative_to(archive)
         records = dest / RUN_FILES[0]
         if not records.is_file() or records.read_bytes() != (d / RUN_FILES[0]).read_bytes():
             continue  # not restored, or trained again here (training logs its own run)
-        if has_mlflow_run(dest, parent):
+        if has_mlflow_run(dest, parent, client):
             continue
         try:
             run_id = relog_mlflow(dest, parent_file, json.loads((d / METADATA_FILE).read_text())[RUN_FILES[0]])
@@ -280,11 +286,11 @@ def relog_mlflow(run: Path, parent_file: Path, meta: dict) -> str:
 
     Raises :class:`medpfl.tracking.TrackingError` if the store cannot be reached."""
     import pandas as pd
-    from mlflow.entities import Metric, Param
+    from mlflow.entities import Metric
 
     from medpfl.environment import mlflow_tags
     from medpfl.io import md5sum
-    from medpfl.tracking import RunLogger, flatten, retry
+    from medpfl.tracking import RunLogger, retry
     from medpfl.train import round_scalars
 
     full = json.loads((run / "job.json").read_text())
@@ -317,11 +323,9 @@ def relog_mlflow(run: Path, parent_file: Path, meta: dict) -> str:
         ts = end_ms - int((total - t) * 1000)
         metrics += [Metric(k, float(v), ts, r) for k, v in round_scalars(by_round.get(r, []), row.to_dict()).items()
                     if v is not None and v == v]
-    params = [Param(k, str(v)[:6000]) for k, v in flatten(job).items()]
     logger = RunLogger(parent_file, run_file, name, tags, resume=False, start_time=start_ms)
     try:
-        for i in range(0, len(params), 100):
-            retry(logger.client.log_batch, logger.run_id, params=params[i:i + 100])
+        logger.log_params(job)
         for i in range(0, len(metrics), 1000):  # MLflow's log_batch limit
             retry(logger.client.log_batch, logger.run_id, metrics=metrics[i:i + 1000])
         logger.log_artifact(run / "job.json")
