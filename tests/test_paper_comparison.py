@@ -205,3 +205,67 @@ def test_the_pfedkd_tables_match_the_spec(name):
         assert set(t.values) == {"synthetic_0.5_0.5"}
         assert t.values["synthetic_0.5_0.5"]["fedgkd-mlp"]["final_client_acc_mean"] == (0.2278, 0.0001)
         assert t.values["synthetic_0.5_0.5"]["pfedkdwcl-mlr"]["final_client_acc_mean"] == (0.8948, 0.0001)
+
+
+def test_round_spread_on_a_hand_computed_case():
+    """Mean over seeds of each run's mean over its last rounds with a value, the mean of their stds,
+    and the lowest / highest round over all seeds; rows out of order and null rounds are handled."""
+    from medpfl.report.paper import round_spread
+    a = pd.DataFrame({"round": [3, 0, 1, 2], "acc": [0.9, 0.1, 0.5, None]})  # last 2 with a value: 0.5, 0.9
+    b = pd.DataFrame({"round": [0, 1, 2, 3], "acc": [0.2, 0.6, 0.7, 0.8]})   # last 2: 0.7, 0.8
+    s = round_spread([a, b], "acc", 2)
+    assert s.mean == pytest.approx((0.7 + 0.75) / 2)
+    assert s.std == pytest.approx((math.sqrt(0.08) + math.sqrt(0.005)) / 2)  # ddof=1 of (0.5, 0.9), (0.7, 0.8)
+    assert (s.low, s.high, s.rounds, s.seeds) == (0.5, 0.9, 2, 2)
+    assert round_spread([a], "acc", 10).rounds == 3  # a shorter run: every round it has
+    assert round_spread([a], "other", 2) is None and round_spread([a.assign(acc=None)], "acc", 2) is None
+    with pytest.raises(ValueError, match="last must be >= 1"):
+        round_spread([a], "acc", 0)
+
+
+def test_the_side_by_side_shows_our_round_spread_and_whether_the_paper_lies_in_it(tmp_path):
+    """A metric with per_round: the report adds our spread over the last rounds, computed from each
+    run's round_metrics.csv, and says whether the paper's value lies inside it."""
+    root = tmp_path / "runs"
+    dirs = [_write_run(root, m, s) for m in ("fedavg", "fedkper") for s in (1, 2)]
+    last = 3
+    spread = {}
+    for m in ("fedavg", "fedkper"):
+        tails = [pd.read_csv(root / "bloodmnist" / "dir0.1" / m / f"seed{s}" / "round_metrics.csv")
+                 .sort_values("round")["local_acc_mean"].iloc[-last:] for s in (1, 2)]
+        spread[m] = (float(sum(t.mean() for t in tails) / 2), float(min(t.min() for t in tails)),
+                     float(max(t.max() for t in tails)))
+    inside = (spread["fedavg"][1] + spread["fedavg"][2]) / 2  # a paper value inside fedavg's range
+    p = tmp_path / "paper.yaml"
+    p.write_text(yaml.safe_dump({
+        "title": "T", "source": "S", "last_rounds": last,
+        "metrics": {"avg_local_acc": {"label": "Local", "per_round": "local_acc_mean"},
+                    "avg_global_acc": {"label": "Global"}},
+        "values": {"bloodmnist": {"fedavg": {"avg_local_acc": [inside, None], "avg_global_acc": [0.5, None]},
+                                  "fedkper": {"avg_local_acc": [spread["fedkper"][2] + 0.01, None],
+                                              "avg_global_acc": [0.5, None]}}}}))
+    paths = build_report(dirs, tmp_path / "report", paper_table=p)
+    df = pd.read_csv(paths["paper_comparison_csv"]).set_index(["method", "metric"])
+    for m in ("fedavg", "fedkper"):
+        row = df.loc[(m, "avg_local_acc")]
+        assert (row["last_mean"], row["last_low"], row["last_high"]) == pytest.approx(spread[m])
+        assert row["last_rounds"] == last
+    assert bool(df.loc[("fedavg", "avg_local_acc"), "paper_in_last_range"])
+    assert not bool(df.loc[("fedkper", "avg_local_acc"), "paper_in_last_range"])  # just above our highest round
+    assert df.loc[("fedavg", "avg_global_acc"), ["last_mean", "paper_in_last_range"]].isna().all()  # no per_round
+    md = paths["table_md"].read_text()
+    header = f"ours, last {last} rounds: mean [min, max]"
+    local = md.split("#### Local")[1].split("####")[0]
+    assert header in local and "| paper in that range" in local and "| yes " in local and "| no " in local
+    assert f"[{spread['fedavg'][1]:.3f}, {spread['fedavg'][2]:.3f}]" in local
+    assert header not in md.split("#### Global")[1].split("####")[0]  # a metric without per_round: no column
+    assert f"Ours, last {last} rounds" in md  # the caption says what the column is
+
+
+@pytest.mark.parametrize("content, match", [
+    ("title: t\nsource: s\nmetrics: {a: {}}\nvalues: {}\nlast_rounds: 0\n", r"last_rounds: .*greater than 0"),
+    ("title: t\nsource: s\nmetrics: {a: {per_round: 3}}\nvalues: {}\n", r"metrics\.a\.per_round: .*string"),
+])
+def test_a_bad_round_spread_setting_names_its_key(tmp_path, content, match):
+    with pytest.raises(PaperTableError, match=match):
+        load_paper_table(_write(content, tmp_path))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from medpfl.io import InputFileError, atomic_path, write_json
 from medpfl.report.figures import plot_curves
-from medpfl.report.paper import compare, comparison_tables, load_paper_table, paper_caption, rank_agreement
+from medpfl.report.paper import compare, comparison_tables, load_paper_table, paper_caption, rank_agreement, round_spread
 from medpfl.report.stats import resolve_reference
 from medpfl.report.tables import (groups, load_runs, paired, render_html, render_markdown, seed_interval, seed_mean,
                                   summary_frame, summary_metrics)
@@ -71,7 +71,9 @@ def build_report(run_dirs: list[Path], out_dir: Path, partition_figures: list[Pa
     * with ``paper_table`` (a paper's table as data, :mod:`medpfl.report.paper`):
       ``paper_comparison.csv`` (one row per group, method and metric: ours, the paper's value and
       ±, the difference, both ranks) and ``paper_agreement.csv`` (Spearman rho of the rankings and
-      mean |difference| per metric); the side-by-side tables are added to table.md/html.
+      mean |difference| per metric); the side-by-side tables are added to table.md/html. A paper
+      metric with ``per_round`` also gets our spread over the last ``last_rounds`` rounds and
+      whether the paper's value lies inside it (:func:`medpfl.report.paper.round_spread`).
 
     Raises :class:`~medpfl.io.InputFileError` (a ``ValueError``) ``"report: no runs given"`` for
     an empty ``run_dirs``, ``ParamsError`` naming ``report.reference`` when ``reference`` is not a
@@ -107,7 +109,10 @@ def build_report(run_dirs: list[Path], out_dir: Path, partition_figures: list[Pa
             g = f"{ds} / {part}"
             ours[g] = {"dataset": ds, "partition": part, "methods": {m: {k: seed_mean(rs, k) for k in paper.metrics}
                                                   for m, rs in methods.items()},
-                     "intervals": {m: {k: seed_interval(rs, k) for k in paper.metrics} for m, rs in methods.items()}}
+                     "intervals": {m: {k: seed_interval(rs, k) for k in paper.metrics} for m, rs in methods.items()},
+                     "spread": {m: {k: round_spread([r.rounds for r in rs], meta["per_round"], paper.last_rounds)
+                                    for k, meta in paper.metrics.items() if meta.get("per_round")}
+                                for m, rs in methods.items()}}
             seeds.update({f"{g}/{m}": len(rs) for m, rs in methods.items()})
             rounds.update({f"{g}/{m}": rs[0].summary.get("rounds") for m, rs in methods.items()})
         df = compare(ours, paper)

@@ -7,7 +7,8 @@ their source::
     how_ours: ...         # optional: how our number is computed (the caption says it)
     percent: true         # optional: show values x 100 (the paper prints percentages)
     convention: ...       # optional: a note on the reporting convention (not used in computing)
-    metrics:  {<summary key>: {label: ..., higher_is_better: true}, ...}
+    metrics:  {<summary key>: {label: ..., higher_is_better: true, per_round: <round column>}, ...}
+    last_rounds: 50       # optional: the rounds the per_round spread covers (default 50)
     blocks:   {<name>: [<method>, ...], ...}    # optional: rank within each block
     values:   {<dataset> or <dataset>/<partition>: {<method>: {<summary key>: [value, ±], ...}, ...}, ...}
 
@@ -23,6 +24,15 @@ rank and the paper's rank among the methods compared (1 = best), and per
 metric the Spearman rank correlation of the two orderings (``scipy.stats.spearmanr``; needs 3 or
 more methods). With ``blocks`` (e.g. one block of rows per model, as a paper that compares
 methods per model), ranks and correlations are computed within each block.
+
+A paper that prints one round's value (the final round's, say) compares it with one draw of a
+curve that may swing from round to round (a FedAvg global model on non-IID clients does, by
+several points). A metric with ``per_round`` (the ``round_metrics.csv`` column that tracks it per
+round, e.g. ``deployed_acc_mean`` for ``final_client_acc_mean``) therefore gains our spread over
+the last ``last_rounds`` rounds (:func:`round_spread`): the mean over seeds of each run's mean
+over those rounds, and the lowest and highest round over all seeds; and whether the paper's value
+lies inside that range. A gap whose paper value lies inside our range is within our own
+round-to-round swing.
 """
 
 from __future__ import annotations
@@ -34,12 +44,13 @@ from typing import Any
 
 import pandas as pd
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, StrictBool, StrictFloat, StrictStr, ValidationError
 from scipy import stats
 
 from medpfl.report.stats import CI_LEVEL, NO_INTERVAL
 
 NULL = "—"
+SPREAD_COLUMNS = ("last_rounds", "last_mean", "last_std", "last_low", "last_high", "paper_in_last_range")
 
 
 @dataclass
@@ -54,6 +65,7 @@ class PaperTable:
     how_ours: str = ""
     blocks: dict[str, list[str]] | None = None
     percent: bool = False
+    last_rounds: int = 50
 
     def group_values(self, dataset: str, partition: str) -> dict[str, dict[str, tuple[float, float | None]]] | None:
         """The paper's values for one of our (dataset, partition) groups, or None."""
@@ -76,6 +88,7 @@ class _Metric(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     label: StrictStr | None = None
     higher_is_better: StrictBool = True
+    per_round: StrictStr | None = Field(None, description="the round_metrics.csv column tracking the metric per round")
 
 
 class _PaperFile(BaseModel):
@@ -89,6 +102,7 @@ class _PaperFile(BaseModel):
     convention: StrictStr | None = Field(None, description="the reporting convention our numbers follow (a note)")
     metrics: dict[str, _Metric]
     blocks: dict[str, list[StrictStr]] | None = None
+    last_rounds: PositiveInt = 50
     values: dict[str, dict[str, dict[str, tuple[StrictFloat, StrictFloat | None]]]]
 
 
@@ -154,7 +168,53 @@ def load_paper_table(path: str | Path) -> PaperTable:
                                                                              None if pm is None else float(pm))
     metrics = {k: m.model_dump(exclude_none=True) for k, m in table.metrics.items()}
     blocks = {k: list(v) for k, v in table.blocks.items()} if table.blocks is not None else None
-    return PaperTable(table.title, table.source, metrics, values, path, table.how_ours, blocks, table.percent)
+    return PaperTable(table.title, table.source, metrics, values, path, table.how_ours, blocks, table.percent,
+                      table.last_rounds)
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Our value of a metric over the last rounds of the runs of one method (all seeds).
+
+    mean: the mean over seeds of each run's mean over its last ``rounds`` rounds; std: the mean over
+    seeds of each run's std over those rounds (ddof=1; NaN for one round); low / high: the lowest
+    and the highest of those rounds over all seeds; rounds: how many rounds per run were available
+    (fewer than asked where a run is shorter); seeds: runs with a value."""
+
+    mean: float
+    std: float
+    low: float
+    high: float
+    rounds: int
+    seeds: int
+
+
+def round_spread(per_run_rounds: list[pd.DataFrame], column: str, last: int) -> Spread | None:
+    """The spread of ``column`` over the last ``last`` rounds of each run (:class:`Spread`).
+
+    per_run_rounds: each run's ``round_metrics.csv`` as a DataFrame with a ``round`` column (any
+    order; rows whose ``column`` is null are skipped, as a method that has no value in some
+    rounds). ``last`` counts rounds with a value. Returns None where no run has the column or a
+    value in it. Raises ValueError for ``last < 1``."""
+    if last < 1:
+        raise ValueError(f"round_spread: last must be >= 1, got {last}")
+    means, stds, lows, highs, counts = [], [], [], [], []
+    for df in per_run_rounds:
+        if column not in df.columns:
+            continue
+        v = pd.to_numeric(df.sort_values("round")[column], errors="coerce")
+        v = v[v.map(lambda x: x is not None and math.isfinite(x))].iloc[-last:]
+        if v.empty:
+            continue
+        means.append(float(v.mean()))
+        stds.append(float(v.std(ddof=1)) if len(v) > 1 else float("nan"))
+        lows.append(float(v.min()))
+        highs.append(float(v.max()))
+        counts.append(len(v))
+    if not means:
+        return None
+    return Spread(mean=sum(means) / len(means), std=sum(stds) / len(stds), low=min(lows), high=max(highs),
+                  rounds=min(counts), seeds=len(means))
 
 
 def _rank(values: dict[str, float], higher_is_better: bool) -> dict[str, int]:
@@ -170,11 +230,15 @@ def compare(ours: dict[str, dict[str, dict[str, float | None]]], paper: PaperTab
 
     ours: ``{dataset/partition label: {"dataset": ds, "partition": part, "methods": {method:
     {metric: mean}}, "intervals": {method: {metric: Interval}}}}`` (``partition`` and
-    ``intervals``, :class:`medpfl.report.stats.Interval` over seeds, may be absent). Returns one
+    ``intervals``, :class:`medpfl.report.stats.Interval` over seeds, may be absent; so may
+    ``"spread": {method: {metric: Spread}}``, :func:`round_spread`). Returns one
     row per (group, method, metric) with columns group, dataset, block, method, metric, label,
     ours, paper, paper_pm, diff, rank_ours, rank_paper (ranks among the methods of the block with
     both values), ours_seeds, ours_ci_low, ours_ci_high (our seeds with a value and the 95 % CI of
-    our mean; empty without ``intervals`` or with one seed), in the paper's row order.
+    our mean; empty without ``intervals`` or with one seed), last_rounds, last_mean, last_std,
+    last_low, last_high (our :class:`Spread`; empty without one) and paper_in_last_range (whether
+    last_low <= paper <= last_high; empty without a spread or a paper value), in the paper's row
+    order.
     """
     rows = []
     for group, g in ours.items():
@@ -195,16 +259,24 @@ def compare(ours: dict[str, dict[str, dict[str, float | None]]], paper: PaperTab
             for m in methods:
                 pv, ppm = pvals[m].get(metric, (None, None))
                 iv = (g.get("intervals") or {}).get(m, {}).get(metric)
+                sp = (g.get("spread") or {}).get(m, {}).get(metric)
                 rows.append({"group": group, "dataset": ds, "block": paper.block_of(m), "method": m, "metric": metric,
                              "label": meta.get("label", metric), "ours": o[m], "paper": pv, "paper_pm": ppm,
                              "diff": (o[m] - pv) if (o[m] is not None and pv is not None) else None,
                              "rank_ours": ro.get(m), "rank_paper": rp.get(m),
                              "ours_seeds": iv.n if iv is not None else None,
                              "ours_ci_low": iv.low if iv is not None else None,
-                             "ours_ci_high": iv.high if iv is not None else None})
+                             "ours_ci_high": iv.high if iv is not None else None,
+                             "last_rounds": sp.rounds if sp is not None else None,
+                             "last_mean": sp.mean if sp is not None else None,
+                             "last_std": sp.std if sp is not None else None,
+                             "last_low": sp.low if sp is not None else None,
+                             "last_high": sp.high if sp is not None else None,
+                             "paper_in_last_range": (sp.low <= pv <= sp.high) if sp is not None and pv is not None
+                             else None})
     return pd.DataFrame(rows, columns=["group", "dataset", "block", "method", "metric", "label", "ours", "paper",
                                        "paper_pm", "diff", "rank_ours", "rank_paper", "ours_seeds", "ours_ci_low",
-                                       "ours_ci_high"])
+                                       "ours_ci_high", *SPREAD_COLUMNS])
 
 
 def rank_agreement(df: pd.DataFrame) -> pd.DataFrame:
@@ -235,8 +307,10 @@ def comparison_tables(df: pd.DataFrame, agreement: pd.DataFrame,
     """``{group: [(metric label, formatted table), ...]}``: per metric, one row per method in the
     paper's order with ours (± the half-width of its 95 % CI over seeds where ``df`` has one;
     "1 seed: no interval" with one seed), the paper's (± as printed), ours − paper and both ranks;
-    then a 'Rank agreement' table. ``percent``: values, ± and differences shown × 100 with 2 decimals
-    (accuracy points, as a paper that prints percentages), else as fractions with 3."""
+    then a 'Rank agreement' table. Where the metric has a round spread (``df``'s last_* columns,
+    :func:`compare`), two more columns after ours − paper: "ours, last N rounds: mean [min, max]"
+    and "paper in that range" (yes / no). ``percent``: values, ± and differences shown × 100 with 2
+    decimals (accuracy points, as a paper that prints percentages), else as fractions with 3."""
     out: dict[str, list[tuple[str, pd.DataFrame]]] = {}
     scale, nd = (100.0, 2) if percent else (1.0, 3)
 
@@ -260,9 +334,16 @@ def comparison_tables(df: pd.DataFrame, agreement: pd.DataFrame,
                 "paper": [_f(v) + (f" ± {_f(pm)}" if pm is not None and not (isinstance(pm, float) and math.isnan(pm)) else "")
                           if v is not None else NULL for v, pm in zip(d["paper"], d["paper_pm"])],
                 "ours − paper": [_f(v, signed=True) for v in d["diff"]],
-                "rank ours": [NULL if pd.isna(r) else str(int(r)) for r in d["rank_ours"]],
-                "rank paper": [NULL if pd.isna(r) else str(int(r)) for r in d["rank_paper"]],
             })
+            if "last_mean" in d.columns and d["last_mean"].notna().any():
+                n = int(d["last_rounds"].dropna().max())
+                t[f"ours, last {n} rounds: mean [min, max]"] = [
+                    NULL if pd.isna(r["last_mean"]) else f"{_f(r['last_mean'])} [{_f(r['last_low'])}, {_f(r['last_high'])}]"
+                    for _, r in d.iterrows()]
+                t["paper in that range"] = [NULL if v is None or pd.isna(v) else ("yes" if bool(v) else "no")
+                                            for v in d["paper_in_last_range"]]
+            t["rank ours"] = [NULL if pd.isna(r) else str(int(r)) for r in d["rank_ours"]]
+            t["rank paper"] = [NULL if pd.isna(r) else str(int(r)) for r in d["rank_paper"]]
             tables.append((str(d["label"].iloc[0]), t.reset_index(drop=True)))
         a = agreement[agreement["group"] == group]
         agree = {"Metric": a["label"]}
@@ -286,4 +367,8 @@ def paper_caption(paper: PaperTable, seeds: dict[str, int], rounds: dict[str, An
             f"(“{NO_INTERVAL}” with one seed); paper: {paper.source} ({paper.title}), its ± as printed (the paper's own convention). "
             f"Ranks are among the methods{within} with "
             f"both values (1 = best; higher is better for every column, BwT included). {NULL} = not applicable "
-            f"(e.g. a method without a single global model has no global columns).")
+            f"(e.g. a method without a single global model has no global columns)."
+            + (f" Ours, last {paper.last_rounds} rounds: the mean over seeds of each run's mean over its last "
+               f"{paper.last_rounds} rounds of the metric's per-round value, [the lowest, the highest] of those rounds "
+               f"over all seeds; “paper in that range”: whether the paper's value lies inside it, i.e. within our "
+               f"round-to-round swing." if any(m.get("per_round") for m in paper.metrics.values()) else ""))
