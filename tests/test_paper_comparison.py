@@ -269,3 +269,15 @@ def test_the_side_by_side_shows_our_round_spread_and_whether_the_paper_lies_in_i
 def test_a_bad_round_spread_setting_names_its_key(tmp_path, content, match):
     with pytest.raises(PaperTableError, match=match):
         load_paper_table(_write(content, tmp_path))
+
+
+def test_a_per_round_column_no_run_has_stops_the_report_naming_the_key(tmp_path):
+    """A misspelt per_round would otherwise show "—" in every row; nothing is written."""
+    dirs = [_write_run(tmp_path / "runs", "fedavg", 1)]
+    p = tmp_path / "paper.yaml"
+    p.write_text("title: t\nsource: s\nmetrics: {avg_local_acc: {per_round: local_acc_mea}}\n"
+                 "values: {bloodmnist: {fedavg: {avg_local_acc: [0.5, null]}}}\n")
+    with pytest.raises(PaperTableError, match=rf"report.paper_table: {re.escape(str(p))}: "
+                                              r"metrics\.avg_local_acc\.per_round: 'local_acc_mea' is not a column"):
+        build_report(dirs, tmp_path / "report", paper_table=p)
+    assert not (tmp_path / "report").exists()

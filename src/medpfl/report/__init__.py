@@ -12,7 +12,8 @@ from pathlib import Path
 
 from medpfl.io import InputFileError, atomic_path, write_json
 from medpfl.report.figures import plot_curves
-from medpfl.report.paper import compare, comparison_tables, load_paper_table, paper_caption, rank_agreement, round_spread
+from medpfl.report.paper import (PaperTableError, compare, comparison_tables, load_paper_table, paper_caption,
+                                 rank_agreement, round_spread)
 from medpfl.report.stats import resolve_reference
 from medpfl.report.tables import (groups, load_runs, paired, render_html, render_markdown, seed_interval, seed_mean,
                                   summary_frame, summary_metrics)
@@ -77,7 +78,8 @@ def build_report(run_dirs: list[Path], out_dir: Path, partition_figures: list[Pa
 
     Raises :class:`~medpfl.io.InputFileError` (a ``ValueError``) ``"report: no runs given"`` for
     an empty ``run_dirs``, ``ParamsError`` naming ``report.reference`` when ``reference`` is not a
-    method of the runs, :class:`~medpfl.report.paper.PaperTableError` for a bad paper table, and
+    method of the runs, :class:`~medpfl.report.paper.PaperTableError` for a bad paper table (or a
+    ``per_round`` column no run's ``round_metrics.csv`` has), and
     ``FileNotFoundError`` / ``InputFileError`` naming the file when an input is missing or
     unreadable (``medpfl report`` prints each in one line and exits 2). Returns
     ``{"summary_csv", "table_md", "table_html", "curves_png", "summary_json", "paired_csv"}``
@@ -89,6 +91,13 @@ def build_report(run_dirs: list[Path], out_dir: Path, partition_figures: list[Pa
     runs = load_runs(run_dirs)
     figures = [_embed(p) for p in partition_figures]  # fail on a missing figure before writing anything
     paper = load_paper_table(paper_table) if paper_table else None  # likewise for a bad paper table
+    if paper is not None:  # likewise for a per_round column that no run has (a misspelt name)
+        columns = set().union(*(r.rounds.columns for r in runs))
+        for k, meta in paper.metrics.items():
+            if meta.get("per_round") and meta["per_round"] not in columns:
+                raise PaperTableError(f"report.paper_table: {paper.path}: metrics.{k}.per_round: "
+                                      f"{meta['per_round']!r} is not a column of the runs' round_metrics.csv "
+                                      f"({', '.join(c for c in runs[0].rounds.columns if c != 'round')})")
     if reference is not None:  # likewise for a reference that is not a method of the runs
         resolve_reference(list(dict.fromkeys(r.meta["method"] for r in runs)), reference)
     out_dir = Path(out_dir)
