@@ -209,15 +209,15 @@ def test_the_pfedkd_tables_match_the_spec(name):
 
 def test_round_spread_on_a_hand_computed_case():
     """Mean over seeds of each run's mean over its last rounds with a value, the mean of their stds,
-    and the lowest / highest round over all seeds; rows out of order and null rounds are handled."""
+    and the lowest / highest round over all seeds; rows out of order, null and infinite rounds are handled."""
     from medpfl.report.paper import round_spread
-    a = pd.DataFrame({"round": [3, 0, 1, 2], "acc": [0.9, 0.1, 0.5, None]})  # last 2 with a value: 0.5, 0.9
+    a = pd.DataFrame({"round": [3, 0, 1, 2], "acc": [0.9, math.inf, 0.5, None]})  # last 2 finite: 0.5, 0.9
     b = pd.DataFrame({"round": [0, 1, 2, 3], "acc": [0.2, 0.6, 0.7, 0.8]})   # last 2: 0.7, 0.8
     s = round_spread([a, b], "acc", 2)
     assert s.mean == pytest.approx((0.7 + 0.75) / 2)
     assert s.std == pytest.approx((math.sqrt(0.08) + math.sqrt(0.005)) / 2)  # ddof=1 of (0.5, 0.9), (0.7, 0.8)
     assert (s.low, s.high, s.rounds, s.seeds) == (0.5, 0.9, 2, 2)
-    assert round_spread([a], "acc", 10).rounds == 3  # a shorter run: every round it has
+    assert round_spread([a], "acc", 10).rounds == 2  # a shorter run: every finite round it has
     assert round_spread([a], "other", 2) is None and round_spread([a.assign(acc=None)], "acc", 2) is None
     with pytest.raises(ValueError, match="last must be >= 1"):
         round_spread([a], "acc", 0)

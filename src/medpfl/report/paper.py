@@ -193,9 +193,9 @@ def round_spread(per_run_rounds: list[pd.DataFrame], column: str, last: int) -> 
     """The spread of ``column`` over the last ``last`` rounds of each run (:class:`Spread`).
 
     per_run_rounds: each run's ``round_metrics.csv`` as a DataFrame with a ``round`` column (any
-    order; rows whose ``column`` is null are skipped, as a method that has no value in some
-    rounds). ``last`` counts rounds with a value. Returns None where no run has the column or a
-    value in it. Raises ValueError for ``last < 1``."""
+    order; rows whose ``column`` is null or infinite are skipped, as a method that has no value in
+    some rounds). ``last`` counts rounds with a finite value. Returns None where no run has the
+    column or a finite value in it. Raises ValueError for ``last < 1``."""
     if last < 1:
         raise ValueError(f"round_spread: last must be >= 1, got {last}")
     means, stds, lows, highs, counts = [], [], [], [], []
@@ -203,7 +203,7 @@ def round_spread(per_run_rounds: list[pd.DataFrame], column: str, last: int) -> 
         if column not in df.columns:
             continue
         v = pd.to_numeric(df.sort_values("round")[column], errors="coerce")
-        v = v[v.map(lambda x: x is not None and math.isfinite(x))].iloc[-last:]
+        v = v[v.abs() < math.inf].iloc[-last:]  # finite values only (NaN compares False)
         if v.empty:
             continue
         means.append(float(v.mean()))
