@@ -18,14 +18,17 @@ from pathlib import Path
 
 import pandas as pd
 
+from medpfl.report.paper import round_spread
+
 def spread(records: pd.DataFrame, last: int) -> dict[str, float]:
     """Final, last-10 mean and last-``last`` mean/std/min/max of the per-round mean client accuracy (%)
     of the deployed model's view."""
     view = "personalized_on_local" if (records["view"] == "personalized_on_local").any() else "global_on_local"
-    per = 100 * records[records["view"] == view].groupby("round")["accuracy"].mean()
-    tail = per.iloc[-last:]
-    return {"final": per.iloc[-1], "last10": per.iloc[-10:].mean(), f"last{last} mean": tail.mean(),
-            f"last{last} std": tail.std(), f"last{last} min": tail.min(), f"last{last} max": tail.max()}
+    per = (100 * records[records["view"] == view].groupby("round")["accuracy"].mean()).rename("acc").reset_index()
+    tail = round_spread([per], "acc", last)  # the report's side-by-side spread, on one run
+    return {"final": round_spread([per], "acc", 1).mean, "last10": round_spread([per], "acc", 10).mean,
+            f"last{last} mean": tail.mean, f"last{last} std": tail.std, f"last{last} min": tail.low,
+            f"last{last} max": tail.high}
 
 
 def main() -> None:
