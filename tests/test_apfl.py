@@ -1,7 +1,9 @@
 """APFL (Deng, Kamani & Mahdavi 2020, Algorithm 1 and the adaptive alpha): alpha's gradient step
-on a hand case (the closed form d/dalpha of the mixed loss), its clipping, the mixed model, v's
-gradient not flowing into w, the programs of the three alpha modes, and the global model being
-FedAvg's; the non-default readings on both executors."""
+on a hand case for each ``alpha_grad`` reading (the closed form d/dalpha of the mixed loss, the
+end-point approximation of FedTorch and PFLlib, FHBench's swapped one), its clipping, the mixed
+model, the scored parameters of every ``personal_state`` x ``alpha_update`` reading (one mixture,
+never a mixture of a mixture), v's gradient not flowing into w, the programs of the three alpha
+modes, and the global model being FedAvg's; the non-default readings on both executors."""
 
 import math
 
@@ -231,8 +233,11 @@ def test_fixed_alpha_zero_personalizes_to_the_global_model(fed_data):
         pd.testing.assert_frame_equal(pers[cols].reset_index(drop=True), glob[cols].reset_index(drop=True))
 
 
-@pytest.mark.parametrize("overrides", [{"alpha_update": "step", "personal_objective": "own", "personal_state": "mixture"},
-                                       {"alpha_update": "fixed", "alpha_init": 0.5}])
+@pytest.mark.parametrize("overrides", [
+    {"alpha_update": "step", "personal_objective": "own", "personal_state": "mixture"},
+    {"alpha_update": "step", "personal_objective": "own", "personal_state": "mixture", "alpha_grad": "endpoint"},  # PFLlib
+    {"alpha_update": "round", "personal_objective": "own", "personal_state": "mixture", "alpha_grad": "fhbench"},
+    {"alpha_update": "fixed", "alpha_init": 0.5}])
 def test_other_readings_run_alike_on_both_executors(fed_data, overrides):
     seq = _engine(make_algo("apfl", **overrides), fed_data, "sequential")
     stk = _engine(make_algo("apfl", **overrides), fed_data, "stacked")
@@ -243,3 +248,86 @@ def test_other_readings_run_alike_on_both_executors(fed_data, overrides):
     assert_trees_close(seq.client_states, stk.client_states, atol=1e-4, rtol=1e-4)
     alpha = seq.client_states["alpha"]
     assert ((alpha >= 0) & (alpha <= 1)).all()
+
+
+SIG1 = 1.0 / (1.0 + math.exp(-1.0))
+
+
+@pytest.mark.parametrize("alpha", [0.5, 0.8])
+def test_alpha_gradient_readings_hand_case(alpha):
+    """x = 1, y = 0; v: W = [[1], [0]], b = 0 (logits [1, 0]); w = 0 (logits [0, 0]). Own-CE
+    gradients: g_v = (p - e_0) x with p = softmax([1, 0]): W [[s - 1], [1 - s]], s = sigmoid(1);
+    g_w: W [[-1/2], [1/2]]; the biases alike. v - w differs only in W[0, 0] (by 1), so
+    endpoint: d = alpha (s - 1) + (1 - alpha)(-1/2); fhbench: d = -(alpha (-1/2) + (1 - alpha)(s - 1));
+    exact: d = sigmoid(alpha) - 1 (the mixture's logits [alpha, 0]). Each plus rho alpha = 0.02 alpha."""
+    v = {"classifier.weight": _t([1.0], [0.0]), "classifier.bias": _t(0.0, 0.0)}
+    w = {"classifier.weight": _t([0.0], [0.0]), "classifier.bias": _t(0.0, 0.0)}
+    batch = {"x": _t([1.0]), "y": torch.tensor([0]), "w": _t(1.0)}
+    want = {"exact": 1.0 / (1.0 + math.exp(-alpha)) - 1.0,
+            "endpoint": alpha * (SIG1 - 1.0) + (1.0 - alpha) * (-0.5),
+            "fhbench": -(alpha * (-0.5) + (1.0 - alpha) * (SIG1 - 1.0))}
+    for reading, d in want.items():
+        algo = _tiny(alpha_grad=reading)
+        g, new = _alpha_step(algo, v, w, torch.tensor(alpha, dtype=torch.float64), batch)
+        assert g.item() == pytest.approx(d + 0.02 * alpha, abs=1e-12), reading
+        assert new.item() == pytest.approx(min(1.0, max(0.0, alpha - 0.1 * (d + 0.02 * alpha))), abs=1e-12)
+    # at alpha = 1/2 FHBench's swap is exactly the negative of the end-point product
+    if alpha == 0.5:
+        assert want["fhbench"] == pytest.approx(-want["endpoint"])
+    # step mode: the same alpha-gradient from the training objective (mixed and own objectives)
+    for reading, d in want.items():
+        for objective in ("mixed", "own"):
+            algo = _tiny(alpha_update="step", alpha_grad=reading, personal_objective=objective)
+            a = torch.tensor(alpha, dtype=torch.float64, requires_grad=True)
+            vv = {k: t.clone().requires_grad_() for k, t in v.items()}
+            ww = {k: t.clone().requires_grad_() for k, t in w.items()}
+            (ga,) = torch.autograd.grad(algo.train_loss({"model": ww, "personal": vv, "alpha": {"alpha": a}}, {}, batch),
+                                        [a])
+            assert ga.item() == pytest.approx(d + 0.02 * alpha, abs=1e-12), (reading, objective)
+
+
+@pytest.mark.parametrize("alpha_update", ["round", "step", "fixed"])
+@pytest.mark.parametrize("personal_state", ["v", "mixture"])
+def test_scored_parameters_of_every_reading(personal_state, alpha_update):
+    """Hand-made v, trained local w_i, global w and alpha = 0.25: right after training the client
+    scores 0.25 v + 0.75 w_i; its personalized model is 0.25 v + 0.75 w (personal_state v, the
+    paper) or 0.25 v + 0.75 w_i (mixture: the stored mixture itself, PFLlib and FHBench); never
+    the double mixture 0.0625 v + 0.1875 w_i + 0.75 w."""
+    algo = _tiny(personal_state=personal_state, alpha_update=alpha_update)
+    v = {"classifier.weight": _t([4.0], [0.0]), "classifier.bias": _t(0.0, 8.0)}
+    wi = {"classifier.weight": _t([0.0], [2.0]), "classifier.bias": _t(1.0, 0.0)}
+    wg = {"classifier.weight": _t([-4.0], [6.0]), "classifier.bias": _t(3.0, -2.0)}
+    trees = {"model": wi, "personal": v, "alpha": {"alpha": _t(0.25)}}
+    info = {"num_samples": _t(9.0), "steps": {"train": torch.tensor(3)}}
+    _, state, ev = algo.finish(trees, {}, {}, info, RND)
+    after = {"classifier.weight": _t([1.0], [1.5]), "classifier.bias": _t(0.75, 2.0)}  # 0.25 v + 0.75 w_i
+    assert_trees_close(ev, after, atol=1e-12)
+    pm = algo.personalized_model(state, {"model": wg})
+    if personal_state == "v":
+        want = {"classifier.weight": _t([-2.0], [4.5]), "classifier.bias": _t(2.25, 0.5)}  # 0.25 v + 0.75 w
+    else:
+        want = after
+    assert_trees_close(pm, want, atol=1e-12)
+    double = {k: 0.25 * after[k] + 0.75 * wg[k] for k in after}
+    assert not torch.allclose(pm["classifier.weight"], double["classifier.weight"])
+
+
+@pytest.mark.parametrize("personal_state", ["v", "mixture"])
+def test_personalized_view_scores_the_reading_model(fed_data, personal_state):
+    """Through the engine: the last round's personalized_on_local counts are those of the model
+    each reading names, rebuilt from the returned client states and global model."""
+    from medpfl.fl.evaluation import eval_groups
+
+    algo = make_algo("apfl", personal_state=personal_state, alpha_update="step")
+    res = _engine(algo, fed_data)
+    pers = res.records[(res.records["view"] == "personalized_on_local") & (res.records["round"] == 1)]
+    pers = pers.set_index("client_id").sort_index()
+    trained = {int(c) for s in res.rounds["sampled_clients"] for c in s.split()}
+    for c in range(fed_data.num_clients):
+        v = {k: t[c] for k, t in res.client_states["personal"].items()}
+        a = res.client_states["alpha"][c]
+        model = v if personal_state == "mixture" else algo.mix(v, res.server["model"], a)
+        correct, _, _ = eval_groups(algo.predict, model, fed_data, [fed_data.client_test[c]], 256)
+        assert pers.loc[c, "correct"] == int(correct.sum())
+        if personal_state == "mixture" and c not in trained:  # never trained: the initial model (as PFLlib)
+            assert a.item() == 1.0

@@ -222,4 +222,7 @@ def test_differs_from_fedavg_unless_its_knob_says_so(fed_data, method):
         return
     _, red = cached(fed_data, method, **algo.fedavg_when)
     pd.testing.assert_frame_equal(metrics(avg), metrics(red))
-    assert_trees_close(avg.server["model"], red.server["model"], atol=1e-6)
+    # equal up to float32 rounding: a reduction is algebraic, not bitwise (SCAFFOLD computes
+    # x + mean(y_i - x), FedAvg mean(y_i): 3.7e-6 apart after 2 rounds on an AMD EPYC, below 1e-6 on
+    # the Intel CI machines)
+    assert_trees_close(avg.server["model"], red.server["model"], atol=1e-5)

@@ -43,6 +43,7 @@ def _summary(method: str, seed: int) -> dict:
     s["balance"] = round((s["avg_global_acc"] + s["avg_local_acc"]) / 2, 6)
     s["mb_per_round"] = round(1.5 * seed, 6)
     s["rounds"], s["num_clients"], s["last_round"] = ROUNDS, 4, ROUNDS - 1
+    s["clients_never_trained"] = seed if method == "fedavg" else 0  # differs between fedavg's seeds
     if method == "local":
         for k in GLOBAL_KEYS:
             s[k] = None
@@ -197,6 +198,10 @@ def test_plain_table(runs: list[Path], tmp_path: Path) -> None:
     assert rows["local"][2] == "—"
     # the FHBench-protocol column is shown because these runs have a value for it
     assert "Test acc at best-val round (FHBench protocol)" in rows["Strategy"]
+    # clients no round trained, of K = 4: a range where the seeds differ
+    never = rows["Strategy"].index("Clients never trained")
+    assert cells[never] == "1–2 of 4" and rows["fedkper"][never] == "0 of 4"
+    assert "Clients never trained: how many of the K clients" in md
 
 
 def test_cost_table_and_conditional_columns(runs: list[Path], tmp_path: Path) -> None:

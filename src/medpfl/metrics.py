@@ -250,6 +250,11 @@ def summarize_run(records: pd.DataFrame, rounds: pd.DataFrame, num_clients: int,
     # (pFedKD-WCL spec A.1.6 item 7).
     dep = per["deployed_acc_mean"].dropna().to_numpy()
     s["final10_client_acc_mean"] = float(np.mean(dep[-10:])) if len(dep) else float("nan")
+    # Clients that no round trained (never sampled; pFedMe-style methods train every client):
+    # their personalized score is whatever the method gives a client it never trained
+    # (docs/methods.md, "Never-trained clients").
+    trained = view("local_after_training")["client_id"].unique()
+    s["clients_never_trained"] = int(num_clients - len(set(int(c) for c in trained)))
     lg = view("local_on_global_test")
     s["final_local_models_on_global_test"] = _nanstat(np.mean, lg["accuracy"]) if len(lg) else float("nan")
 

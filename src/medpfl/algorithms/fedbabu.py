@@ -4,14 +4,34 @@ Classification", ICLR 2022; code jhoon-oh/FedBABU).
 The head is randomly initialised once (the same for every client) and never updated during
 federated training: clients train only the body (the head is frozen: no gradient, no momentum,
 no weight decay), upload only the body, and the server averages the bodies (weights ∝ n_k).
-The global model is the averaged body with that fixed head. For personalization the client
-fine-tunes a copy of its trained model (body and head) on its local train set; that fine-tuned
-model is its personalized model, scored on its local test split right after (and kept until its
-next visit; a client never sampled is scored with the global model).
+The global model is the averaged body with that fixed head.
+
+**Personalization** (``personalization``):
+
+- ``final`` (default; the FedBABU paper, Sec. 4 "personalization": "the global model is
+  fine-tuned on each client's training set" after federated training; official ``analysis.ipynb``;
+  PFLlib ``serverbabu.py``, which calls every client's ``fine_tune`` after the last round): at the
+  last round every client, sampled or not, fine-tunes the **final global model** (averaged body,
+  fixed head) on its local train split (``finetune_*``) and the fine-tuned copy is scored on its
+  local test split. The fine-tuning is the engine's evaluation-time adaptation
+  (``adaptation_phases``), run for all K clients as one batch of clients by the stacked executor
+  (one sequential fine-tune after another on the sequential one). At the other evaluation rounds
+  the personalized view scores the global model with the fixed head (the paper's "initial"
+  accuracy, before fine-tuning). Training never fine-tunes: ``local_after_training`` scores the
+  client's locally trained model (trained body, fixed head). A client never sampled is scored
+  like every other: the fine-tuned final global model.
+- ``every_eval``: the same fine-tuning at every evaluation round (``eval.every``), so the
+  personalized curve is "fine-tuned from this round's global model"; costs K fine-tunes per
+  evaluation round.
+- ``per_visit`` (medpfl's earlier reading, kept as an option): each sampled client fine-tunes
+  a copy of its locally trained model right after local training; that copy is scored in
+  ``local_after_training`` and kept as its personalized model until its next visit; a client
+  never sampled is scored with the global model (averaged body, the random fixed head).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 import torch
@@ -34,6 +54,10 @@ class FedBABUConfig(MethodConfig):
     finetune_weight_decay: float = Field(0.0, ge=0.0, description="official notebook")
     finetune_batch_size: int | None = Field(50, ge=1, description="official notebook; null = train.batch_size")
     finetune_part: Literal["all", "head", "body"] = Field("all", description="what fine-tuning trains (paper: all)")
+    personalization: Literal["final", "every_eval", "per_visit"] = Field(
+        "final", description="fine-tune the final global model on every client before scoring (FedBABU paper "
+                             "Sec. 4; PFLlib serverbabu.py), the same at every evaluation round, or each sampled "
+                             "client's trained model right after its local training (medpfl's earlier reading)")
 
 
 class FedBABU(Algorithm):
@@ -51,29 +75,52 @@ class FedBABU(Algorithm):
     def download(self, server, clients, rnd: RoundInfo) -> Download:
         return Download(shared={"body": self.forward.part(server["model"], "body")})
 
+    @property
+    def per_visit(self) -> bool:
+        return self.cfg.personalization == "per_visit"
+
     def init_client_state(self, params: Params, client: int) -> dict[str, Any]:
-        # the fixed head every client holds from the shared initialisation; the last fine-tuned model
-        return {"head": self.forward.part(params, "head"), "personal": dict(params),
-                "tuned": torch.zeros((), device=next(iter(params.values())).device)}
+        # the fixed head every client holds from the shared initialisation (and, per visit, the
+        # last fine-tuned model and whether there is one)
+        head = self.forward.part(params, "head")
+        if not self.per_visit:
+            return {"head": head}
+        return {"head": head, "personal": dict(params), "tuned": torch.zeros((), device=next(iter(params.values())).device)}
 
     def begin(self, received, state, info, rnd):
         return {"model": {**state["head"], **received["body"]}}, {}
 
-    def phases(self, rnd: RoundInfo) -> list[Phase]:
+    def finetune_phase(self, tree: str) -> Phase:
+        """``finetune_epochs`` of SGD on ``tree`` (its ``finetune_part``) at the fine-tuning lr,
+        momentum, weight decay and batch size (the FedBABU paper's personalization step)."""
         c = self.cfg
+        part = None if c.finetune_part == "all" else c.finetune_part
+        return Phase(name="finetune", trainable={tree: part}, loss=self.ce_loss(tree), epochs=c.finetune_epochs,
+                     lr=c.finetune_lr, momentum=c.finetune_momentum, weight_decay=c.finetune_weight_decay,
+                     batch_size=c.finetune_batch_size)
+
+    def phases(self, rnd: RoundInfo) -> list[Phase]:
         out = [Phase(trainable={"model": "body"})]
-        if c.finetune_epochs > 0:
-            part = None if c.finetune_part == "all" else c.finetune_part
-            out.append(Phase(name="finetune", init=lambda t, ctx: {**t, "personal": t["model"]},
-                             trainable={"personal": part}, loss=self.ce_loss("personal"),
-                             epochs=c.finetune_epochs, lr=c.finetune_lr,
-                             momentum=c.finetune_momentum, weight_decay=c.finetune_weight_decay,
-                             batch_size=c.finetune_batch_size))
+        if self.per_visit and self.cfg.finetune_epochs > 0:
+            ft = self.finetune_phase("personal")
+            out.append(dataclasses.replace(ft, init=lambda t, ctx: {**t, "personal": t["model"]}))
         return out
 
+    def adaptation_phases(self, rnd: RoundInfo) -> list[Phase]:
+        """``final``: the fine-tuning at the last round only; ``every_eval``: at every evaluation
+        round; ``per_visit`` (or ``finetune_epochs: 0``): none."""
+        c = self.cfg
+        if self.per_visit or c.finetune_epochs == 0:
+            return []
+        if c.personalization == "final" and rnd.round != rnd.rounds - 1:
+            return []
+        return [self.finetune_phase("model")]
+
     def finish(self, trees, ctx, state, info, rnd):
-        personal = trees.get("personal", trees["model"])
         up = {"body": self.forward.part(trees["model"], "body"), "num_samples": info["num_samples"]}
+        if not self.per_visit:
+            return up, state, trees["model"]
+        personal = trees.get("personal", trees["model"])
         return up, {"head": state["head"], "personal": personal, "tuned": torch.ones_like(state["tuned"])}, personal
 
     def aggregate(self, server, uploads, clients, rnd):
@@ -81,5 +128,9 @@ class FedBABU(Algorithm):
         return {**server, "model": {**server["model"], **body}}
 
     def personalized_model(self, state, server):
+        """``final``/``every_eval``: the global model (fine-tuned by ``adaptation_phases`` where
+        they apply); ``per_visit``: the client's last fine-tuned model, else the global model."""
+        if not self.per_visit:
+            return server["model"]
         t = state["tuned"] > 0
         return {k: torch.where(t, state["personal"][k], v) for k, v in server["model"].items()}

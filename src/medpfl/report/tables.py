@@ -54,7 +54,7 @@ SUMMARY_KEYS = (
     "final_local_models_on_global_test", "best_val_client_acc", "best_val_client_acc_worst",
     "bytes_up_total", "bytes_down_total", "mb_per_round", "mb_up_per_round", "mb_down_per_round",
     "compression_ratio", "trainable_params", "frozen_params", "peak_memory_mb", "seconds_per_round", "train_seconds_per_round", "eval_seconds_per_round", "wall_seconds",
-    "rounds", "num_clients", "last_round",
+    "rounds", "num_clients", "last_round", "clients_never_trained",
 )
 
 #: Keys of ``summary.json`` (the DVC metrics file): the mean over seeds of each.
@@ -130,10 +130,16 @@ TABLE1_CAPTION = (
     "the per-round minimum of that accuracy over the sampled clients, averaged over rounds. "
     f"{NULL} = not applicable."
 )
+NEVER_TRAINED_NOTE = (
+    "Clients never trained: how many of the K clients no round trained (never sampled); their final "
+    "client accuracy is that of the model the method gives a client it never trained (the global model, "
+    "a fine-tuned global model, or an untrained personal model: docs/methods.md, “Never-trained clients”), "
+    "and it is in the final mean and worst. ")
 PLAIN_CAPTION = (
     f"{CI_NOTE} Final client accuracies are over all clients at the last evaluated round, with the model each "
     "client would deploy (its personalized model for personalized methods, else the global model); the "
     "last-10-round value averages that mean over the last 10 evaluated rounds. "
+    f"{NEVER_TRAINED_NOTE}"
     f"{NULL} = not applicable."
 )
 PAIRED_CAPTION = (
@@ -298,17 +304,39 @@ def table1(methods: dict[str, list[Run]]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=cols)
 
 
+NEVER_TRAINED = "Clients never trained"
+
+
+def never_trained_cell(runs: list[Run]) -> str:
+    """``"k of K"``: how many of the K clients no round trained, over the runs (seeds) of a method
+    (``"k1–k2 of K"`` where seeds differ, e.g. with a seed-dependent client schedule); ``—``
+    where no run recorded it (runs evaluated before the count existed)."""
+    vals = [r.summary.get("clients_never_trained") for r in runs]
+    vals = [int(v) for v in vals if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    if not vals:
+        return NULL
+    ks = {r.summary.get("num_clients") for r in runs} - {None}
+    of = f" of {int(next(iter(ks)))}" if len(ks) == 1 else ""
+    lo, hi = min(vals), max(vals)
+    return f"{lo}{of}" if lo == hi else f"{lo}–{hi}{of}"
+
+
 def plain_table(methods: dict[str, list[Run]]) -> pd.DataFrame:
-    """Plain summary: seeds, rounds and mean ± 95 % CI over seeds of final and cost numbers."""
+    """Plain summary: seeds, rounds and mean ± 95 % CI over seeds of final and cost numbers; and
+    the clients no round trained (:func:`never_trained_cell`), where the runs recorded it."""
     everyone = [r for runs in methods.values() for r in runs]
     cols = [(c, k, nd) for c, k, nd in _PLAIN if k not in _PLAIN_IF_PRESENT or seed_mean(everyone, k) is not None]
+    never = any(r.summary.get("clients_never_trained") is not None for r in everyone)
     rows = []
     for method, runs in methods.items():
         row: dict[str, Any] = {"Strategy": method, **_counts(runs)}
         for col, key, nd in cols:
             row[col] = ci_cell(seed_interval(runs, key), nd, len(runs))
+        if never:
+            row[NEVER_TRAINED] = never_trained_cell(runs)
         rows.append(row)
-    return pd.DataFrame(rows, columns=["Strategy", "seeds", "rounds"] + [c for c, _, _ in cols])
+    return pd.DataFrame(rows, columns=["Strategy", "seeds", "rounds"] + [c for c, _, _ in cols]
+                        + ([NEVER_TRAINED] if never else []))
 
 
 def _count_cell(x: float | None) -> str:
