@@ -24,9 +24,11 @@ def _setup(fed_data, **cfg):
     return algo, ex, rnd
 
 
-def _hand(fed_data, algo, rnd, theta0, w0, lam, plr, k, steps, client=0):
+def _hand(fed_data, algo, rnd, theta0, w0, lam, plr, k, steps, client=0, per_round=False):
     """Algorithm 1 of pFedMe written out in numpy: per iteration, K steps of
-    theta -= plr (grad f(theta; D) + lam (theta - w)), then w -= eta lam (w - theta)."""
+    theta -= plr (grad f(theta; D) + lam (theta - w)), then w -= eta lam (w - theta);
+    ``per_round`` (the pFedKD-WCL code): w stays w^t through the iterations and takes that
+    update once, after them."""
     ids = fed_data.client_train[client]
     plan = phase_plan(len(ids), B, 1, 1, 0, client, algo.phases(rnd)[0])
     (tW, tb), (wW, wb) = as_np(theta0), as_np(w0)
@@ -37,6 +39,9 @@ def _hand(fed_data, algo, rnd, theta0, w0, lam, plr, k, steps, client=0):
         for _ in range(k):
             gW, gb = ce_grad(tW, tb, x, y)
             tW, tb = tW - plr * (gW + lam * (tW - wW)), tb - plr * (gb + lam * (tb - wb))
+        if not per_round:
+            wW, wb = wW - ETA * lam * (wW - tW), wb - ETA * lam * (wb - tb)
+    if per_round:
         wW, wb = wW - ETA * lam * (wW - tW), wb - ETA * lam * (wb - tb)
     return (tW, tb), (wW, wb)
 
@@ -80,3 +85,46 @@ def test_every_client_trains_unless_switched_off():
     sampled = np.array([1, 3])
     assert linear_algo("pfedme", 2, 2).training_clients(sampled, 5, None).tolist() == [0, 1, 2, 3, 4]
     assert linear_algo("pfedme", 2, 2, all_clients_train=False).training_clients(sampled, 5, None).tolist() == [1, 3]
+
+
+def test_local_update_once_per_round_as_the_pfedkd_code(fed_data):
+    """local_update: round (HengruiH/pFedKD UserpFedMe.train): theta's K steps pull towards the
+    received w^t in every iteration, and w_loc = (1 - lam eta) w^t + lam eta theta once at the end."""
+    lam, plr, k = 2.0, 0.1, 3
+    algo, ex, rnd = _setup(fed_data, lam=lam, personal_lr=plr, inner_steps=k, local_steps=3, local_update="round")
+    assert dict(algo.phases(rnd)[0].trainable) == {"theta": None}
+    w0, th0 = random_params(D_IN, C, seed=1), random_params(D_IN, C, seed=2)
+    up, state, _ = ex.run_client(algo, {"model": w0}, {}, {"theta": th0}, 0, rnd)
+    (tW, tb), (wW, wb) = _hand(fed_data, algo, rnd, th0, w0, lam, plr, k, 3, per_round=True)
+    np.testing.assert_allclose(as_np(state["theta"])[0], tW, atol=2e-6)
+    np.testing.assert_allclose(as_np(state["theta"])[1], tb, atol=2e-6)
+    np.testing.assert_allclose(as_np(up["model"])[0], wW, atol=2e-6)
+    np.testing.assert_allclose(as_np(up["model"])[1], wb, atol=2e-6)
+    # and it is not Algorithm 1's per-iteration update
+    (aW, _), (bW, _) = _hand(fed_data, algo, rnd, th0, w0, lam, plr, k, 3)
+    assert np.abs(aW - tW).max() > 1e-5 and np.abs(bW - wW).max() > 1e-5
+
+
+def test_theta_init_random_is_per_client_and_seeded():
+    """theta_init: random: every client's theta is an independent draw of the model's default
+    initialisation, a function of (run seed, client id) only (the engine's seeded_client_init)."""
+    from medpfl.fl.engine import Engine
+    from tests.conftest import make_algo
+
+    algo = make_algo("pfedme", theta_init="random", model="mlr", in_channels=1, image_size=None, num_classes=2)
+    assert type(algo).seeded_client_init
+    import torch as _t
+
+    eng = Engine.__new__(Engine)  # only initial_client_states is exercised: no data needed
+    eng.algo, eng.seed = algo, 7
+    eng.data = type("D", (), {"num_clients": 3})()
+    w0 = {"classifier.weight": _t.zeros(2, 1), "classifier.bias": _t.zeros(2)}
+    a, b = eng.initial_client_states(w0), eng.initial_client_states(w0)
+    th = a["theta"]["classifier.weight"]
+    assert _t.equal(th, b["theta"]["classifier.weight"])  # reproducible
+    assert not _t.equal(th[0], th[1]) and not _t.equal(th[0], _t.zeros(2, 1))  # per client, not w_0
+    eng.seed = 8
+    assert not _t.equal(eng.initial_client_states(w0)["theta"]["classifier.weight"], th)
+    persistent = make_algo("pfedme", model="mlr", in_channels=1, image_size=None, num_classes=2)
+    eng.algo, eng.seed = persistent, 7
+    assert _t.equal(eng.initial_client_states(w0)["theta"]["classifier.weight"], _t.zeros(3, 2, 1))

@@ -25,6 +25,20 @@ whose SGD step at lr eta (no momentum, no weight decay) moves theta exactly to t
 w_loc by ``- eta lam (w_loc - theta_hat)``: Alg. 1's two updates. theta persists across rounds
 (``theta_init="persistent"``, the pFedKD code's pFedMe per the spec); ``"global"`` restarts it
 from the received global model each round (the pFedMe authors' ``set_parameters``).
+
+**As the pFedKD-WCL code runs it** (HengruiH/pFedKD ``algorithms/pfedme.py``, ``UserpFedMe.train``),
+two things differ from Alg. 1, each an option:
+
+- ``local_update: round``: w_loc stays the received w^t through the R iterations (so every
+  iteration's K theta steps are pulled towards w^t) and is updated **once**, after them:
+  ``w_loc = w^t - lam eta (w^t - theta) = (1 - lam eta) w^t + lam eta theta``. Alg. 1 (line 8,
+  ``iteration``, the default) updates w_loc after every iteration. Here the phase then trains
+  theta alone (objective ``1/(2 eta) ||theta - sg(theta_hat)||^2``) and ``finish`` applies the
+  round's single update.
+- ``theta_init: random``: each client's theta is a persistent model with its own independent
+  random initialisation (the code builds every user's ``model`` with ``model_class()``), drawn
+  from the CPU generator seeded by (run seed, client id) (``seeded_client_init``), as
+  pFedKD-WCL's own theta; ``persistent`` starts it from w_0.
 """
 
 from __future__ import annotations
@@ -37,6 +51,7 @@ from pydantic import Field
 
 from medpfl.algorithms.base import Algorithm, MethodConfig
 from medpfl.algorithms.inner import grad_of_trainable
+from medpfl.algorithms.pfedkdwcl import random_model_state
 from medpfl.fl.functional import Params, clone_params, weighted_average, weighted_ce
 from medpfl.fl.program import Phase, RoundInfo
 
@@ -58,9 +73,14 @@ class PFedMeConfig(MethodConfig):
                                                           "epochs (pFedKD-WCL paper/code: 20)")
     all_clients_train: bool = Field(True, description="every client trains every round, only the sampled are "
                                                       "aggregated (pFedMe Alg. 1 and both codes); False: only the sampled train")
-    theta_init: Literal["persistent", "global"] = Field(
-        "persistent", description="theta kept across rounds (pFedKD-WCL code, spec A.4) or restarted from the "
-                                  "received global model (pFedMe authors' code)")
+    theta_init: Literal["persistent", "global", "random"] = Field(
+        "persistent", description="theta kept across rounds from w_0 (spec A.4), restarted from the received global "
+                                  "model each round (pFedMe authors' code), or kept across rounds from its own random "
+                                  "init (pFedKD-WCL code: model_class() per user)")
+    local_update: Literal["iteration", "round"] = Field(
+        "iteration", description="w_loc <- w_loc - eta lam (w_loc - theta) after every local iteration (pFedMe Alg. 1 "
+                                 "line 8) or once after the R iterations from the received w^t (pFedKD-WCL code "
+                                 "UserpFedMe.train)")
 
 
 def inner_solution(algo: Algorithm, theta: Params, w_loc: Params, batch: dict[str, torch.Tensor], lam: float,
@@ -88,6 +108,7 @@ class PFedMe(Algorithm):
     Config = PFedMeConfig
     paper = "T. Dinh, Tran & Nguyen, Personalized Federated Learning with Moreau Envelopes, NeurIPS 2020"
     # the global model is driven by the Moreau envelope's gradient, never FedAvg's update
+    seeded_client_init = True  # theta_init random: a function of (run seed, client id); the others draw nothing
 
     @property
     def personalized(self) -> bool:
@@ -99,6 +120,8 @@ class PFedMe(Algorithm):
         return np.arange(num_clients, dtype=np.int64)
 
     def init_client_state(self, params: Params, client: int) -> dict[str, Any]:
+        if self.cfg.theta_init == "random":
+            return {"theta": random_model_state(self.forward.module, params)}
         return {"theta": clone_params(params)}
 
     def begin(self, received, state, info, rnd):
@@ -108,22 +131,31 @@ class PFedMe(Algorithm):
     def _loss(self, eta: float):
         lam, cfg = self.cfg.lam, self.cfg
         names = self.forward.trainable
+        per_iteration = cfg.local_update == "iteration"
 
         def loss(trees, ctx, batch):
             th, wl = trees["theta"], trees["local"]
             hat = inner_solution(self, th, wl, batch, lam, cfg.personal_lr, cfg.inner_steps)
             move = sum(torch.sum((th[k] - hat[k]) ** 2) for k in names) / (2.0 * eta)
+            if not per_iteration:  # w_loc stays w^t until finish
+                return move
             pull = 0.5 * lam * sum(torch.sum((wl[k] - hat[k]) ** 2) for k in names)
             return move + pull
 
         return loss
 
     def phases(self, rnd: RoundInfo) -> list[Phase]:
-        return [Phase(name="train", trainable={"theta": None, "local": None}, loss=self._loss(rnd.lr),
+        trained = {"theta": None, "local": None} if self.cfg.local_update == "iteration" else {"theta": None}
+        return [Phase(name="train", trainable=trained, loss=self._loss(rnd.lr),
                       steps=self.cfg.local_steps, momentum=0.0, weight_decay=0.0)]
 
     def finish(self, trees, ctx, state, info, rnd):
-        up = {"model": trees["local"], "num_samples": info["num_samples"]}
+        local = trees["local"]
+        if self.cfg.local_update == "round":  # the pFedKD-WCL code: w_loc = w^t - lam eta (w^t - theta), once
+            c = self.cfg.lam * rnd.lr
+            train = set(self.forward.trainable)
+            local = {k: (v - c * (v - trees["theta"][k])) if k in train else v for k, v in local.items()}
+        up = {"model": local, "num_samples": info["num_samples"]}
         return up, {"theta": trees["theta"]}, trees["theta"]
 
     def aggregate(self, server, uploads, clients, rnd):
