@@ -324,11 +324,16 @@ def test_partition_naming_an_unknown_dataset_or_none_that_applies(base):
 
 def test_table1_study_overlays_resolve():
     full = load_params(PARAMS, [REPO / "config" / "fedkper-table1.yaml"])
-    assert len(full.methods) == 12 and full.seeds == [1, 2, 3] and full.train.rounds == 100
+    # the paper's 12 rows, then the other reading of FedBABU's local accuracy (not a paper row)
+    assert len(full.methods) == 13 and full.methods[-1] == "fedbabu-pervisit"
+    assert full.seeds == [1, 2, 3] and full.train.rounds == 100
+    assert full.method_config("fedbabu")[1].personalization == "final"
+    assert full.method_config("fedbabu-pervisit")[1].personalization == "per_visit"
+    assert full.method_config("fedbabu-pervisit")[1].finetune_epochs == full.method_config("fedbabu")[1].finetune_epochs
     assert {d: full.partitions[p].num_clients for d, p in full.dataset_partitions()} == {
         "bloodmnist": 20, "organsmnist": 50, "organcmnist": 30}  # paper Sec. 4.1
     cpu = load_params(PARAMS, [REPO / "config" / "fedkper-table1.yaml", REPO / "config" / "fedkper-table1-cpu.yaml"])
-    assert cpu.dataset_partitions() == [("bloodmnist", "fedkper-dir0.1")] and cpu.seeds == [1]
+    assert cpu.dataset_partitions() == [("bloodmnist", "fedkper-dir0.1")] and cpu.seeds == [1, 2, 3]
     assert cpu.report.paper_table == "config/papers/fedkper-table1.yaml"
 
 
