@@ -17,6 +17,7 @@ from medpfl.fl.engine import Engine
 from medpfl.fl.functional import model_state, sgd_step_
 from medpfl.models import build_model
 from medpfl.fl.program import RoundInfo
+from medpfl.fl.program import Federation
 from tests.conftest import assert_trees_close, make_algo
 
 RND = RoundInfo(round=0, rounds=10, lr=0.1, num_clients=2, seed=1, base_lr=0.1)
@@ -160,7 +161,7 @@ def test_server_replaces_only_the_uploaders_cores():
     algo = make_algo("apple", model="mlp", model_args={"hidden": 8})
     torch.manual_seed(0)
     params = {k: torch.randn(s) for k, s in algo.forward.shapes.items()}
-    server = algo.init_server(params, 4)
+    server = algo.init_server(params, Federation(4))
     assert set(server) == {"cores"} and set(server["cores"]) == set(algo.forward.trainable)
     for k, c in server["cores"].items():  # K identical copies of the initial model
         assert c.shape == (4, *params[k].shape) and all(torch.equal(c[j], params[k]) for j in range(4))
@@ -171,8 +172,9 @@ def test_server_replaces_only_the_uploaders_cores():
         assert torch.equal(c[2], ups["core"][k][0]) and torch.equal(c[0], ups["core"][k][1])
         assert torch.equal(c[1], params[k]) and torch.equal(c[3], params[k])
     assert algo.global_model(new) is None
-    state = algo.init_client_state(params, 3)
+    state = algo.init_client_state(params, 3, Federation(4))  # the DR vector has K = 4 entries, from the hook's input
     assert set(state) == {"p"} and torch.equal(state["p"], torch.full((4,), 0.25))
+    assert torch.equal(algo.init_client_state(params, 3, Federation(5))["p"], torch.full((5,), 0.2))
 
 
 def test_p_and_buffers_never_leave_the_client():
@@ -180,8 +182,7 @@ def test_p_and_buffers_never_leave_the_client():
     assert algo.forward.buffers
     torch.manual_seed(0)
     params = model_state(build_model("simplecnn", 3, 4, 28, {"batch_norm": True}))
-    algo.init_server(params, 3)
-    state = algo.init_client_state(params, 1)
+    state = algo.init_client_state(params, 1, Federation(3))
     assert set(state) == {"p", "buffers"} and set(state["buffers"]) == set(algo.forward.buffers)
     cores = {k: torch.stack([params[k]] * 3) for k in algo.forward.trainable}
     trees, ctx = algo.begin({"cores": cores}, state, {"client": torch.tensor(1)}, RND)

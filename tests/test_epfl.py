@@ -20,6 +20,7 @@ from medpfl.fl.functional import make_forward, model_state
 from medpfl.fl.payload import UploadSpecError, check_upload
 from medpfl.fl.program import RoundInfo
 from medpfl.models import build_model
+from medpfl.fl.program import Federation
 from tests.conftest import assert_trees_close, make_algo
 
 RND = RoundInfo(round=0, rounds=2, lr=0.1, num_clients=5, seed=1, base_lr=0.1)
@@ -115,7 +116,7 @@ def test_a_model_without_lora_stops_naming_train_model_and_the_part(model):
     algo = make_algo("epfl", model=model)
     params = model_state(build_model(model, 3, 4, 28))
     with pytest.raises(ValueError, match=rf"train\.model={model}: EPFL .* declares no 'lora_A' part"):
-        algo.init_server(params, 5)
+        algo.init_server(params, Federation(5))
 
 
 def test_psi_selects_layers_in_lora_order():
@@ -198,7 +199,7 @@ def _a_uploads():
 def _server(k=5):
     params = {n: torch.full((1, 3), -1.0, dtype=torch.float64) for n in A_NAMES}
     algo = _algo(pool=1, rank=1)
-    return algo.init_server(params, k)
+    return algo.init_server(params, Federation(k))
 
 
 def test_psi_masks_layers_out_of_the_weights():
@@ -269,7 +270,7 @@ def _params(seed, **kw):
 def test_begin_finish_personalized_model():
     algo = _algo()
     init, mixed, trained = _params(0), _params(1), _params(2)
-    state = algo.init_client_state(init, 3)
+    state = algo.init_client_state(init, 3, Federation(5))
     assert int(state["client"]) == 3 and set(state["local"]) == {*B_NAMES, *HEAD}
     trees, _ = algo.begin({"A": {k: mixed[k] for k in A_NAMES}}, state, {}, RND)
     assert list(trees["model"]) == list(init)  # the model's own order

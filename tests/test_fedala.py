@@ -10,6 +10,7 @@ from medpfl.config import TrainConfig
 from medpfl.fl.executors import SequentialExecutor
 from medpfl.fl.functional import weighted_ce
 from medpfl.fl.program import RoundInfo, Until, phase_plan
+from medpfl.fl.program import Federation
 from tests.conftest import initial_params, make_algo
 
 
@@ -41,13 +42,13 @@ def test_top_layers_are_the_last_layer_idx_trainable_tensors():
     algo = make_algo("fedala")
     p = initial_params()
     assert algo.cfg.layer_idx == 2
-    st = algo.init_client_state(p, 0)
+    st = algo.init_client_state(p, 0, Federation(5))
     assert tuple(st["weights"]) == TOP
     for k in TOP:
         assert st["weights"][k].shape == p[k].shape and torch.all(st["weights"][k] == 1.0)
     assert st["first"].item() == 1.0
     assert all(torch.equal(st["model"][k], p[k]) for k in p)
-    four = make_algo("fedala", layer_idx=4).init_client_state(p, 0)
+    four = make_algo("fedala", layer_idx=4).init_client_state(p, 0, Federation(5))
     assert tuple(four["weights"]) == ("fc.weight", "fc.bias", *TOP)
 
 
@@ -117,7 +118,7 @@ def test_until_applies_follows_first_flag():
 def test_finish_clears_first_only_when_ala_ran(first, ala_steps, expected):
     algo = make_algo("fedala")
     p = initial_params()
-    state = algo.init_client_state(p, 0)
+    state = algo.init_client_state(p, 0, Federation(5))
     state["first"] = torch.tensor(first)
     model = {k: v + 1.0 for k, v in p.items()}
     w = {k: torch.full_like(p[k], 0.5) for k in TOP}

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from medpfl.algorithms.fedas import prototype_alignment_loss
 from medpfl.fl.program import RoundInfo, select
 from medpfl.models import build_model
+from medpfl.fl.program import Federation
 from tests.conftest import assert_trees_close, initial_params, make_algo
 
 RND = RoundInfo(round=0, rounds=1, lr=0.01, num_clients=3, seed=1, base_lr=0.01)
@@ -170,7 +171,7 @@ def test_client_keeps_own_model_and_personalized_model_is_it():
     algo = make_algo("fedas")
     assert algo.personalized
     init, glob, trained = initial_params(seed=0), initial_params(seed=1), initial_params(seed=2)
-    state = algo.init_client_state(init, 1)
+    state = algo.init_client_state(init, 1, Federation(5))
     assert_trees_close(state["model"], init, atol=0)
     trees, _ = algo.begin({"model": glob}, state, {}, RND)
     assert trees["model"] is state["model"] and trees["aligned"] is glob

@@ -12,6 +12,7 @@ from medpfl.fl.engine import Engine
 from medpfl.fl.evaluation import eval_groups
 from medpfl.fl.executors import SequentialExecutor
 from medpfl.fl.program import RoundInfo
+from medpfl.fl.program import Federation
 from tests.conftest import initial_params, make_algo
 
 RND = RoundInfo(round=0, rounds=1, lr=0.01, num_clients=5, seed=1, base_lr=0.01)
@@ -104,7 +105,7 @@ def test_local_after_training_scores_the_trained_model_with_the_fixed_head():
     algo = make_algo("fedbabu")
     assert [p.name for p in algo.phases(RND)] == ["train"]
     p = initial_params()
-    state = algo.init_client_state(p, 0)
+    state = algo.init_client_state(p, 0, Federation(5))
     model = {k: v + 1 for k, v in p.items()}
     up, new, ev = algo.finish({"model": model}, {}, state, {"num_samples": torch.tensor(9.0)}, RND)
     assert ev is model and new is state and set(up["body"]) == set(BODY)
@@ -184,7 +185,7 @@ def test_personalized_model_switches_on_tuned_flag():
 def test_begin_uses_the_fixed_head_with_the_received_body():
     algo = make_algo("fedbabu")
     p, q = initial_params(seed=0), initial_params(seed=1)
-    state = algo.init_client_state(p, 0)
+    state = algo.init_client_state(p, 0, Federation(5))
     down = algo.download({"model": q}, torch.tensor([0]), RND)
     assert set(down.shared["body"]) == set(BODY) and not down.per_client
     trees, _ = algo.begin(down.received(), state, {}, RND)
@@ -220,7 +221,7 @@ def test_no_finetuning_gives_one_phase_and_the_trained_model_as_personal():
     phases = algo.phases(RND)
     assert len(phases) == 1 and dict(phases[0].trainable) == {"model": "body"}
     p = initial_params()
-    state = algo.init_client_state(p, 0)
+    state = algo.init_client_state(p, 0, Federation(5))
     model = {k: v + 1 for k, v in p.items()}
     up, new, ev = algo.finish({"model": model}, {}, state, {"num_samples": torch.tensor(9.0)}, RND)
     assert set(up) == {"body", "num_samples"} and set(up["body"]) == set(BODY)

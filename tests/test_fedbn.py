@@ -9,6 +9,7 @@ from medpfl.fl.engine import Engine
 from medpfl.fl.functional import model_state
 from medpfl.fl.program import RoundInfo
 from medpfl.models import build_model
+from medpfl.fl.program import Federation
 from tests.conftest import assert_trees_close, make_algo
 
 RND = RoundInfo(round=0, rounds=1, lr=0.01, num_clients=5, seed=1, base_lr=0.01)
@@ -46,14 +47,14 @@ def test_a_model_without_batchnorm_stops_with_a_clear_error(model, why):
     params = model_state(build_model(model, 3, 4, 28))
     with pytest.raises(ValueError, match=rf"train\.model={model}: FedBN keeps the model's BatchNorm layers local.*"
                                          rf"{why}.*cnn4bn"):
-        algo.init_server(params, 5)
+        algo.init_server(params, Federation(5))
 
 
 def test_begin_trains_the_received_shared_part_with_the_own_bn():
     algo = make_algo("fedbn", model="cnn4bn")
     glob, own = _state(1), _state(2)
     received = {"model": {k: glob[k] for k in SHARED}}
-    state = algo.init_client_state(own, 0)
+    state = algo.init_client_state(own, 0, Federation(5))
     assert set(state) == {"bn"} and set(state["bn"]) == set(BN)
     trees, ctx = algo.begin(received, state, {}, RND)
     assert list(trees["model"]) == list(own)  # the model's own order

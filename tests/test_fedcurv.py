@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from medpfl.algorithms.fedcurv import curvature_penalty
 from medpfl.fl.program import RoundInfo
 from medpfl.models import build_model
+from medpfl.fl.program import Federation
 from tests.conftest import initial_params, make_algo
 
 RND = RoundInfo(round=0, rounds=1, lr=0.01, num_clients=3, seed=1, base_lr=0.01)
@@ -43,7 +44,7 @@ def test_curvature_penalty_gradient_pulls_towards_other_clients():
 
 
 def _server_with_rows(algo, params, k=3):
-    server = algo.init_server(params, k)
+    server = algo.init_server(params, Federation(k))
     for n in algo.forward.trainable:
         assert server["u"][n].shape == (k, *params[n].shape)
         assert torch.all(server["u"][n] == 0) and torch.all(server["v"][n] == 0)
@@ -82,7 +83,7 @@ def test_download_gives_each_client_the_sums_over_the_others_without_aliasing():
 def test_download_with_one_client_only_is_zero():
     algo = make_algo("fedcurv")
     params = initial_params()
-    server = algo.init_server(params, 2)
+    server = algo.init_server(params, Federation(2))
     n = "classifier.bias"
     server["u"][n][0], server["v"][n][0] = 4.0, 8.0
     d = algo.download(server, torch.tensor([0]), RND)

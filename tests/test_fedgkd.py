@@ -16,6 +16,7 @@ from medpfl.fl.engine import Engine
 from medpfl.fl.functional import make_forward
 from medpfl.fl.payload import payload_nbytes
 from medpfl.fl.program import RoundInfo
+from medpfl.fl.program import Federation
 from tests.conftest import assert_trees_close, make_algo
 from tests.linear_model import kd_hand_case
 
@@ -140,7 +141,7 @@ def test_kl_weight_zero_is_plain_cross_entropy_and_sends_no_teacher():
     assert ctx == {} and algo.sample_context(ctx, x) == {}
     got = algo.local_loss({"model": student}, ctx, {"x": x, "y": y, "w": torch.full((2,), 0.5, dtype=torch.float64)})
     assert got.item() == pytest.approx(F.cross_entropy(algo.forward(student, x), y).item(), rel=1e-14)
-    server = algo.init_server(student, 4)
+    server = algo.init_server(student, Federation(4))
     assert set(algo.download(server, torch.tensor([0, 1]), RND).shared) == {"model"}
 
 
@@ -173,7 +174,7 @@ def test_teacher_is_the_mean_of_the_last_five_global_models():
     algo = linear_algo()
     base = lin([[1.0, -2.0], [0.5, 4.0], [-3.0, 0.25]], [1.0, -1.0, 2.0])
     w0 = {k: torch.full_like(v, 77.0) for k, v in base.items()}
-    server = algo.init_server(w0, 4)
+    server = algo.init_server(w0, Federation(4))
     assert int(server["buffer_count"]) == 0
     assert all(server["buffer"][k].shape == (5, *base[k].shape) for k in base)
     d = algo.download(server, torch.tensor([1, 3]), RND)
@@ -201,7 +202,7 @@ def test_teacher_matches_the_mean_of_a_sliding_window_of_arbitrary_models(m):
     g = torch.Generator().manual_seed(3)
     rand = lambda: {"weight": torch.randn(C, D, generator=g, dtype=torch.float64),  # noqa: E731
                     "bias": torch.randn(C, generator=g, dtype=torch.float64)}
-    server = algo.init_server(rand(), 4)
+    server = algo.init_server(rand(), Federation(4))
     history = []
     for r in range(1, 8):
         w_r = rand()
@@ -217,7 +218,7 @@ def test_teacher_matches_the_mean_of_a_sliding_window_of_arbitrary_models(m):
 def test_buffer_survives_a_checkpoint_round_trip(tmp_path):
     algo = linear_algo(buffer_size=3)
     base = lin([[1.0, -2.0], [0.5, 4.0], [-3.0, 0.25]], [1.0, -1.0, 2.0])
-    server = algo.init_server({k: 0 * v for k, v in base.items()}, 4)
+    server = algo.init_server({k: 0 * v for k, v in base.items()}, Federation(4))
     for r in range(1, 5):  # 4 aggregations: the ring of 3 has wrapped
         server = _push_round(algo, server, {k: r * v for k, v in base.items()}, r)
     torch.save({"server": server}, tmp_path / "ckpt.pt")
@@ -288,5 +289,5 @@ def test_bytes_down_counts_the_teacher(fed_data):
     # no teacher sent when it is the global model (M = 1) or unused (alpha = 0): FedAvg's bytes
     for kw in ({"buffer_size": 1}, {"kl_weight": 0.0}):
         algo = make_algo("fedgkd", **kw)
-        server = algo.init_server(res.server["model"], 5)
+        server = algo.init_server(res.server["model"], Federation(5))
         assert 3 * payload_nbytes(algo.download(server, torch.tensor([0, 1, 2]), RND).shared) == 3 * model_bytes

@@ -10,6 +10,7 @@ from medpfl.algorithms.fedkd import energy_threshold, kl_mean, mutual_distillati
 from medpfl.fl.payload import LowRank, decode_tree, encode_tree, payload_nbytes, svd_decode, svd_encode
 from medpfl.fl.program import RoundInfo
 from medpfl.fl.tree import tree_stack
+from medpfl.fl.program import Federation
 from tests.conftest import initial_params, make_algo
 from tests.helpers import low_rank_delta
 
@@ -168,7 +169,7 @@ def test_phase_and_finish():
     assert dict(make_algo("fedkd", hidden_loss=False).phases(rnd)[0].trainable) == {"mentor": None, "mentee": None}
 
     p = initial_params()
-    state = algo.init_client_state(p, 0)
+    state = algo.init_client_state(p, 0, Federation(5))
     assert state["w_h"]["weight"].shape == (512, 512)
     start = {k: v.clone() for k, v in p.items()}
     gen = torch.Generator().manual_seed(2)
@@ -206,8 +207,8 @@ def test_client_mentee_is_the_servers_model_after_every_round():
     params = initial_params()
     k = 3
     clients = torch.tensor([0, 2])
-    server = algo.init_server(params, k)
-    state = algo.init_client_state(params, 0)
+    server = algo.init_server(params, Federation(k))
+    state = algo.init_client_state(params, 0, Federation(5))
     info = {"client": torch.tensor(0), "num_samples": torch.tensor(10.0), "label_hist": torch.ones(4)}
     for r in range(3):
         rnd = RoundInfo(round=r, rounds=3, lr=0.01, num_clients=k, seed=1, base_lr=0.01)

@@ -10,6 +10,7 @@ from medpfl.algorithms.fedmic import comm_fraction, dual_kd_terms, kl_batchmean,
 from medpfl.fl.payload import LowRank, decode_tree, encode_tree, payload_nbytes, svd_decode, svd_encode
 from medpfl.fl.program import RoundInfo
 from medpfl.fl.tree import tree_stack
+from medpfl.fl.program import Federation
 from tests.conftest import initial_params, make_algo
 from tests.helpers import low_rank_delta
 
@@ -87,7 +88,7 @@ def test_upload_bytes_are_the_factor_sizes_and_w_aux_and_teacher_never_cross():
     algo = make_algo("fedmic")
     p = initial_params()
     torch.manual_seed(5)
-    state = algo.init_client_state(p, 0)
+    state = algo.init_client_state(p, 0, Federation(5))
     assert set(state) == {"teacher", "student", "visited", "w_aux"}
     assert torch.equal(state["w_aux"]["shared"], torch.eye(512))  # identity init (A.1)
     trees = {"teacher": state["teacher"], "student": _trained_student(p, torch.Generator().manual_seed(1)),
@@ -125,7 +126,7 @@ def test_fedmic_c_sends_dense_updates():
     assert not algo.upload_spec()["update"].compressed
     p = initial_params()
     st = _trained_student(p, torch.Generator().manual_seed(1))
-    state = algo.init_client_state(p, 0)
+    state = algo.init_client_state(p, 0, Federation(5))
     up, _, _ = algo.finish({"teacher": state["teacher"], "student": st, "w_aux": state["w_aux"]}, {"start": p},
                            state, {"num_samples": torch.tensor(3.0)}, rnd_info())
     assert not any(isinstance(v, LowRank) for v in up["update"].values())
@@ -257,7 +258,7 @@ def test_ablation_switches_remove_exactly_their_term():
     # in the algorithm: what is kept and trained
     def setup(**kw):
         algo = make_algo("fedmic", **kw)
-        state = algo.init_client_state(initial_params(), 0)
+        state = algo.init_client_state(initial_params(), 0, Federation(5))
         return dict(algo.phases(rnd_info())[0].trainable), set(state.get("w_aux", {}))
 
     assert setup() == ({"teacher": None, "student": None, "w_aux": None}, {"shared"})
@@ -271,9 +272,9 @@ def test_algorithm_loss_is_dual_kd_on_the_models_features():
     algo = make_algo("fedmic")
     p = initial_params()  # drawn after manual_seed(0)
     torch.manual_seed(7)
-    state = algo.init_client_state(p, 0)
+    state = algo.init_client_state(p, 0, Federation(5))
     assert not torch.equal(state["teacher"]["fc.weight"], p["fc.weight"])  # independent teacher init (A.6)
-    assert torch.equal(make_algo("fedmic", teacher_init="global").init_client_state(p, 0)["teacher"]["fc.weight"],
+    assert torch.equal(make_algo("fedmic", teacher_init="global").init_client_state(p, 0, Federation(5))["teacher"]["fc.weight"],
                        p["fc.weight"])
     gen = torch.Generator().manual_seed(2)
     batch = {"x": torch.randn(5, 3, 28, 28, generator=gen), "y": torch.tensor([0, 1, 2, 3, 0]),
@@ -301,8 +302,8 @@ def test_client_student_is_the_servers_model_and_weights_are_sample_counts(gpd):
     algo = make_algo("fedmic", gpd=gpd)
     params = initial_params()
     clients = torch.tensor([0, 2])
-    server = algo.init_server(params, 3)
-    state = algo.init_client_state(params, 0)
+    server = algo.init_server(params, Federation(3))
+    state = algo.init_client_state(params, 0, Federation(5))
     info = {"client": torch.tensor(0), "num_samples": torch.tensor(10.0), "label_hist": torch.ones(4)}
     for r in range(3):
         down = algo.download(server, clients, rnd_info(r))
@@ -333,7 +334,7 @@ def test_client_student_is_the_servers_model_and_weights_are_sample_counts(gpd):
 def test_personalized_model_is_the_last_student_or_the_global_one_before_a_visit():
     algo = make_algo("fedmic")
     p = initial_params()
-    state = algo.init_client_state(p, 0)
+    state = algo.init_client_state(p, 0, Federation(5))
     server = {"model": {k: v + 1.0 for k, v in p.items()}}
     assert all(torch.equal(algo.personalized_model(state, server)[k], server["model"][k]) for k in p)
     seen = {**state, "student": {k: v - 1.0 for k, v in p.items()}, "visited": torch.tensor(1.0)}
@@ -360,7 +361,7 @@ def test_dp_noise_on_the_payload_only_where_floats_are_sent():
     # the same (seed, round) draws the same noise; τ = 0 is the plain method
     params = initial_params()
     ups = _uploads(algo, params, 3, [10.0, 30.0])
-    server = algo.init_server(params, 3)
+    server = algo.init_server(params, Federation(3))
     a = algo.aggregate(server, ups, torch.tensor([0, 1]), rnd_info(0))
     b = algo.aggregate(server, ups, torch.tensor([0, 1]), rnd_info(0))
     plain = make_algo("fedmic").aggregate(server, ups, torch.tensor([0, 1]), rnd_info(0))

@@ -7,6 +7,7 @@ import torch
 from medpfl.config import EvalConfig, TrainConfig
 from medpfl.fl.engine import Engine
 from medpfl.fl.program import RoundInfo
+from medpfl.fl.program import Federation
 from tests.conftest import initial_params, make_algo
 
 RND = RoundInfo(round=0, rounds=1, lr=0.01, num_clients=5, seed=1, base_lr=0.01)
@@ -114,9 +115,9 @@ def test_personalized_model_hand_case():
 def test_begin_and_finish():
     algo = make_algo("fedper")
     p, q = initial_params(seed=0), initial_params(seed=1)
-    server = algo.init_server(p, 5)
+    server = algo.init_server(p, Federation(5))
     assert set(server) == {"body"} and set(server["body"]) == set(BODY)
-    state = algo.init_client_state(q, 0)
+    state = algo.init_client_state(q, 0, Federation(5))
     down = algo.download({"body": {k: p[k] for k in BODY}}, torch.tensor([0]), RND)
     assert set(down.shared) == {"body"}
     trees, _ = algo.begin(down.received(), state, {}, RND)

@@ -11,6 +11,7 @@ from medpfl.config import EvalConfig, TrainConfig
 from medpfl.fl.engine import Engine
 from medpfl.fl.executors import SequentialExecutor
 from medpfl.fl.program import RoundInfo
+from medpfl.fl.program import Federation
 from tests.conftest import initial_params, make_algo
 
 RND = RoundInfo(round=0, rounds=1, lr=0.01, num_clients=5, seed=1, base_lr=0.01)
@@ -62,7 +63,7 @@ def test_a_client_trains_the_head_then_the_body(fed_data, ex):
     algo = make_algo("fedrep", head_epochs=2)
     head, body = algo.phases(RND)
     own, glob = initial_params(seed=1), initial_params(seed=0)
-    state = algo.init_client_state(own, 3)
+    state = algo.init_client_state(own, 3, Federation(5))
     received = {"body": {k: glob[k] for k in BODY}}
     up, new, ev = ex.run_client(algo, received, {}, state, 3, RND)
     ids = fed_data.client_train[3]

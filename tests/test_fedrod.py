@@ -13,6 +13,7 @@ from medpfl.algorithms.fedrod import balanced_softmax_ce, label_log_prior
 from medpfl.config import EvalConfig, TrainConfig
 from medpfl.fl.engine import Engine
 from medpfl.fl.program import RoundInfo
+from medpfl.fl.program import Federation
 from tests.conftest import initial_params, make_algo
 
 RND = RoundInfo(round=0, rounds=1, lr=0.01, num_clients=5, seed=1, base_lr=0.01)
@@ -89,7 +90,7 @@ def test_phase_state_and_uploads():
     (ph,) = algo.phases(RND)
     assert ph.name == "train" and dict(ph.trainable) == {"model": None, "personal": None} and ph.lr is None
     p0 = initial_params()
-    state = algo.init_client_state(p0, 0)
+    state = algo.init_client_state(p0, 0, Federation(5))
     assert set(state) == {"personal"} and set(state["personal"]) == set(HEAD)
     assert all(torch.equal(state["personal"][k], p0[k]) for k in HEAD)  # PFLlib: deepcopy of the head
     assert state["personal"]["classifier.weight"].data_ptr() != p0["classifier.weight"].data_ptr()

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from medpfl.algorithms.moon import contrastive_loss
 from medpfl.fl.program import RoundInfo
+from medpfl.fl.program import Federation
 from tests.conftest import assert_trees_close, initial_params, make_algo
 
 RND = RoundInfo(round=0, rounds=1, lr=0.01, num_clients=2, seed=1, base_lr=0.01)
@@ -86,7 +87,7 @@ def test_defaults_are_the_papers():
 
 
 def _context(algo, glob, prev, batch):
-    state = algo.init_client_state(prev, 0)
+    state = algo.init_client_state(prev, 0, Federation(5))
     trees, ctx = algo.begin({"model": glob}, state, {}, RND)
     ctx = {**algo.shared_context({"model": glob}, RND), **ctx}
     return trees, ctx, {**batch, **algo.sample_context(ctx, batch["x"])}
@@ -140,7 +141,7 @@ def test_first_visit_previous_model_is_initial_model_so_term_is_log2():
 def test_init_state_begin_and_finish_keep_the_trained_model_as_prev():
     algo = make_algo("moon")
     init, glob, trained = initial_params(seed=0), initial_params(seed=1), initial_params(seed=2)
-    state = algo.init_client_state(init, 3)
+    state = algo.init_client_state(init, 3, Federation(5))
     assert_trees_close(state["prev"], init, atol=0)
     assert state["prev"]["fc.weight"] is not init["fc.weight"]  # a copy, not an alias
     trees, ctx = algo.begin({"model": glob}, state, {}, RND)

@@ -22,6 +22,7 @@ from medpfl.fl.program import Download, RoundInfo, phase_plan
 from medpfl.fl.sampling import seeded_cpu_rng
 from medpfl.fl.stacked import StackedExecutor
 from medpfl.fl.tree import tree_index, tree_leaves
+from medpfl.fl.program import Federation
 from tests.conftest import assert_trees_close, make_algo
 from tests.linear_model import kd_hand_case, linear_algo, random_params
 
@@ -318,7 +319,7 @@ def test_theta_init_is_random_per_client_seeded_and_independent_of_the_global_in
     assert not torch.allclose(other["theta"]["classifier.weight"], cw)
     algo = make_algo("pfedkdwcl")  # (building the template draws from the generator: outside the block)
     with seeded_cpu_rng("client_state", 1, 3):
-        direct = algo.init_client_state(w0, 3)
+        direct = algo.init_client_state(w0, 3, Federation(5))
     assert_trees_close(direct["theta"], tree_index(th, 3), atol=0)
     # independent of the global init: re-drawing w_0 under another seed leaves theta unchanged
     w0b = _engine(fed_data, make_algo("pfedkdwcl"), seed=7).initial_params()
@@ -345,7 +346,7 @@ def test_only_methods_that_ask_get_a_seeded_client_init(fed_data):
     torch.manual_seed(5)
     states = eng.initial_client_states(w0)
     torch.manual_seed(5)
-    ref = [algo.init_client_state(w0, c) for c in range(fed_data.num_clients)]
+    ref = [algo.init_client_state(w0, c, Federation(5)) for c in range(fed_data.num_clients)]
     for c in range(fed_data.num_clients):
         assert_trees_close(tree_index(states, c), ref[c], atol=0)
 

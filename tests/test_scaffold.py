@@ -14,6 +14,7 @@ from medpfl.fl.engine import Engine
 from medpfl.fl.functional import sgd_step_
 from medpfl.fl.payload import check_upload, payload_nbytes
 from medpfl.fl.program import RoundInfo
+from medpfl.fl.program import Federation
 from tests.conftest import assert_trees_close, initial_params, make_algo
 
 RND = RoundInfo(round=0, rounds=1, lr=0.05, num_clients=5, seed=1, base_lr=0.05)
@@ -149,7 +150,7 @@ def test_batchnorm_buffers_are_averaged_not_stepped():
     torch.manual_seed(0)
     x = {k: torch.randn(s) if k not in bufs or "num_batches" not in k else torch.tensor(3)
          for k, s in algo.forward.shapes.items()}
-    server = algo.init_server(x, 5)
+    server = algo.init_server(x, Federation(5))
     assert set(server["c"]) == set(algo.forward.trainable)
     up = {"delta": {k: torch.ones(2, *algo.forward.shapes[k]) for k in algo.forward.trainable},
           "dc": {k: torch.zeros(2, *algo.forward.shapes[k]) for k in algo.forward.trainable},
@@ -167,9 +168,9 @@ def test_batchnorm_buffers_are_averaged_not_stepped():
 def test_without_control_variates_nothing_extra_is_kept_or_sent():
     algo = make_algo("scaffold", control_variates=False)
     p = initial_params(seed=0)
-    assert set(algo.init_server(p, 5)) == {"model"} and algo.init_client_state(p, 0) == {}
+    assert set(algo.init_server(p, Federation(5))) == {"model"} and algo.init_client_state(p, 0, Federation(5)) == {}
     assert set(algo.upload_spec()) == {"delta", "num_samples"}
-    assert set(algo.download(algo.init_server(p, 5), torch.tensor([0]), RND).shared) == {"model"}
+    assert set(algo.download(algo.init_server(p, Federation(5)), torch.tensor([0]), RND).shared) == {"model"}
 
 
 def _engine(algo, fed_data, executor, rounds=3):

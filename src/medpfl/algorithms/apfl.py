@@ -102,7 +102,7 @@ from medpfl.algorithms.aggregation import client_weights
 from medpfl.algorithms.base import Algorithm, MethodConfig
 from medpfl.algorithms.inner import grad_of_trainable
 from medpfl.fl.functional import Params, clone_params, weighted_average, weighted_ce
-from medpfl.fl.program import Phase, RoundInfo
+from medpfl.fl.program import Federation, Phase, RoundInfo
 
 
 class APFLConfig(MethodConfig):
@@ -145,9 +145,7 @@ class APFL(Algorithm):
     paper = "Deng, Kamani & Mahdavi, Adaptive Personalized Federated Learning, arXiv 2003.13461 (2020)"
     # FedAvg's global model by construction, but its records always add the personalized mixture
 
-    @property
-    def personalized(self) -> bool:
-        return True
+    personalized = True
 
     # ----- the mixture -------------------------------------------------------------------------
     def mix(self, v: Params, w: Params, alpha: torch.Tensor, clone_buffers: bool = False) -> Params:
@@ -223,7 +221,7 @@ class APFL(Algorithm):
         return {"alpha": {"alpha": torch.clamp(trees["alpha"]["alpha"], 0.0, 1.0)}}
 
     # ----- client ------------------------------------------------------------------------------
-    def init_client_state(self, params: Params, client: int) -> dict[str, Any]:
+    def init_client_state(self, params: Params, client: int, fed: Federation) -> dict[str, Any]:
         ref = params[self.forward.trainable[0]]
         return {"personal": clone_params(params),
                 "alpha": torch.tensor(self.cfg.alpha_init, dtype=ref.dtype, device=ref.device)}

@@ -100,7 +100,7 @@ from pydantic import Field
 from medpfl.algorithms.base import Algorithm, MethodConfig
 from medpfl.fl.functional import Params, weighted_ce
 from medpfl.fl.payload import ArraySpec, TreeSpec
-from medpfl.fl.program import Download, Phase, RoundInfo
+from medpfl.fl.program import Download, Federation, Phase, RoundInfo
 
 
 class APPLEConfig(MethodConfig):
@@ -150,15 +150,9 @@ class APPLE(Algorithm):
     paper = ("Luo & Wu, Adapt to Adaptation: Learning Personalization for Cross-Silo Federated Learning, "
              "IJCAI 2022")
     # the cores are never averaged: no setting gives FedAvg
-    _num_clients: int | None = None
 
-    @property
-    def has_global_model(self) -> bool:
-        return False
-
-    @property
-    def personalized(self) -> bool:
-        return True
+    has_global_model = False
+    personalized = True
 
     # ----- the mixture -------------------------------------------------------------------------
     def mixture(self, p: torch.Tensor, cores: Params, own: torch.Tensor, core: Params) -> Params:
@@ -195,9 +189,8 @@ class APPLE(Algorithm):
         return loss
 
     # ----- server ------------------------------------------------------------------------------
-    def init_server(self, params: Params, num_clients: int) -> dict[str, Any]:
-        self._num_clients = num_clients
-        return {"cores": {k: params[k].unsqueeze(0).repeat(num_clients, *([1] * params[k].dim()))
+    def init_server(self, params: Params, fed: Federation) -> dict[str, Any]:
+        return {"cores": {k: params[k].unsqueeze(0).repeat(fed.num_clients, *([1] * params[k].dim()))
                           for k in self.forward.trainable}}
 
     def download(self, server, clients, rnd: RoundInfo) -> Download:
@@ -216,10 +209,8 @@ class APPLE(Algorithm):
         return None
 
     # ----- client ------------------------------------------------------------------------------
-    def init_client_state(self, params: Params, client: int) -> dict[str, Any]:
-        if self._num_clients is None:
-            raise RuntimeError("apple: init_server(params, K) must run before init_client_state (it gives K)")
-        k = self._num_clients
+    def init_client_state(self, params: Params, client: int, fed: Federation) -> dict[str, Any]:
+        k = fed.num_clients
         ref = params[self.forward.trainable[0]]
         state: dict[str, Any] = {"p": torch.full((k,), 1.0 / k, dtype=ref.dtype, device=ref.device)}
         if self.forward.buffers:

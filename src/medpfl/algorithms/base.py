@@ -3,7 +3,8 @@
 A method does not own the loop, the data, the device, the optimizer or the logging. It declares:
 
 **Server** (plain functions, run once per round):
-  - ``init_server(params, K)``: the server state (a dict of trees; ``"model"`` by default), checkpointed
+  - ``init_server(params, fed)``: the server state (``fed``: a
+    :class:`~medpfl.fl.program.Federation`, K and the clients' sample counts) (a dict of trees; ``"model"`` by default), checkpointed
     with the run: SCAFFOLD's control variate, FedCurv's Fisher sums, FedGKD's buffer live here.
   - ``download(server, clients, rnd)``: a :class:`~medpfl.fl.program.Download`: what is sent to
     every sampled client (``shared``) and to each one (``per_client``, leading dim m).
@@ -14,7 +15,7 @@ A method does not own the loop, the data, the device, the optimizer or the loggi
 
 **Client** (per client; the stacked executor runs them under ``torch.func.vmap``, the sequential
 one calls them plainly, so write them for one client with tensor ops only):
-  - ``init_client_state(params, client)``: one client's persistent state (the engine stacks K).
+  - ``init_client_state(params, client, fed)``: one client's persistent state (the engine stacks K).
   - ``shared_context(shared, rnd)``: frozen tensors derived from what every recipient gets
     alike (the shared and synced download; e.g. the global model as teacher). Called once per round, never per client: these stay
     shared (one batched forward for all clients in the stacked executor).
@@ -30,19 +31,23 @@ one calls them plainly, so write them for one client with tensor ops only):
     the server (checked against ``upload_spec()``), what the client keeps, and the model its local
     test split scores right after training (``local_after_training``).
   - ``personalized_model(state, server)``: each client's deployable model (personalized methods).
-  - ``adaptation_phases(rnd)``: phases run at evaluation on every client's local train split
-    from its personalized model before it is scored (Per-FedAvg's one-step adaptation); the
-    client's state is not changed.
+  - ``adaptation_phases(rnd)``: the evaluation-time program: phases the executor runs at an
+    evaluation round on every client's local train split from its personalized model before it
+    is scored (Per-FedAvg's one-step adaptation; FedBABU's fine-tuning of the final global model,
+    at the last round only); the client's state is not changed.
   - ``predict(model, x)``: logits of an evaluated model (FedRoD's two heads, APFL's mixture).
 
 **Server data**: a method with ``uses_server_data = True`` reads the partition's unlabeled server
 images in its server hooks from ``self.server_data`` (``len``, ``x(pos)``; set by the engine;
 FedBE's distillation set); every other method sees None.
 
-**Capabilities** (properties; may depend on the config): ``aggregates`` (the server combines
-uploads), ``has_global_model`` (there is one global model to score on the global test set),
-``personalized`` (clients keep models of their own), ``stackable`` (the client hooks run under
-vmap; else the method runs on the sequential executor).
+**Declarations** (class attributes, never code; the engine reads and enforces them):
+``aggregates`` (the server combines uploads), ``has_global_model`` (there is one global model to
+score on the global test set), ``personalized`` (clients keep models of their own),
+``requires_parts`` (model parts it cannot run without; checked against the model before round
+0), ``uses_server_data``, ``not_stackable_because`` (why the client hooks cannot run under vmap;
+then it runs on the sequential executor), ``fedavg_when``, ``seeded_client_init``. A plain
+loss-only method is a config class and one ``local_loss``.
 
 Shapes: a "tree" is a flat ``dict[str, Tensor]`` (a model state: parameters and buffers by name;
 or any other named tensors). In ``aggregate`` every upload leaf has a leading dim m (the sampled
@@ -61,7 +66,7 @@ from pydantic import BaseModel, ConfigDict
 
 from medpfl.fl.functional import FunctionalModel, Params, weighted_average, weighted_ce
 from medpfl.fl.payload import ArraySpec, Spec, TreeSpec
-from medpfl.fl.program import Download, Pass, Phase, RoundInfo
+from medpfl.fl.program import Download, Federation, Pass, Phase, RoundInfo
 
 if TYPE_CHECKING:
     from medpfl.fl.data import ServerData
@@ -85,7 +90,29 @@ class Algorithm:
     name: ClassVar[str] = ""
     Config: ClassVar[type[MethodConfig]] = MethodConfig
     paper: ClassVar[str] = ""
-    #: why the method cannot run under vmap, if it cannot (it then runs sequentially)
+    # ----- declarations (class level; the engine reads and enforces them) ---------------------
+    #: the server combines the clients' uploads every round (Local: False)
+    aggregates: ClassVar[bool] = True
+    #: there is one global model to score on the global test set (``global_model``)
+    has_global_model: ClassVar[bool] = True
+    #: clients keep models of their own (``personalized_model``), scored on their local test
+    #: splits at every evaluation round
+    personalized: ClassVar[bool] = False
+    #: model parts (``forward.parts``, per model: ``docs/models.md``) the method cannot run
+    #: without, each non-empty: the methods that split the model into a shared body and a head
+    #: (FedPer ``("body", "head")``), that read the body's features (MOON ``("body",)``), or that
+    #: need BatchNorm or LoRA layers (FedBN ``("bn",)``, EPFL). The engine checks them against the
+    #: model before round 0 and stops with one line naming the method, the part and
+    #: ``train.model`` (:func:`check_required_parts`).
+    requires_parts: ClassVar[tuple[str, ...]] = ()
+    #: True: the server hooks use the partition's unlabeled server data
+    #: (``partitions.<name>.server_data``, a held-out part of the official val split). The
+    #: engine then sets :attr:`server_data` before the run (and stops, naming the key, when the
+    #: partition has none); False (default): :attr:`server_data` stays None. The client hooks
+    #: never see server data, whatever the flag.
+    uses_server_data: ClassVar[bool] = False
+    #: why the method cannot run under vmap, if it cannot (it then runs sequentially); None:
+    #: stackable
     not_stackable_because: ClassVar[str | None] = None
     #: config overrides under which the method is FedAvg (a reduction its paper states, e.g.
     #: FedProx with mu = 0); None where no setting of its knobs gives FedAvg. Tested for every method.
@@ -95,18 +122,6 @@ class Algorithm:
     #: (on the CPU) is the same in both executors, whatever K, and independent of the global
     #: model's init (pFedKD-WCL's personal models). False: the global generator as it stands.
     seeded_client_init: ClassVar[bool] = False
-    #: model parts (``forward.parts``, per model: ``docs/models.md``) the method cannot run
-    #: without, each non-empty: FedBN ``("bn",)``. The method itself stops at the start of a run
-    #: on a model that lacks one, with an error naming ``train.model`` and the part; the tests
-    #: pick a model that has them (``tests/test_contract.py``) and expect that error on the
-    #: others (``tests/test_models.py``).
-    requires_parts: ClassVar[tuple[str, ...]] = ()
-    #: True: the server hooks use the partition's unlabeled server data
-    #: (``partitions.<name>.server_data``, a held-out part of the official val split). The
-    #: engine then sets :attr:`server_data` before the run (and stops, naming the key, when the
-    #: partition has none); False (default): :attr:`server_data` stays None. The client hooks
-    #: never see server data, whatever the flag.
-    uses_server_data: ClassVar[bool] = False
 
     def __init__(self, cfg: MethodConfig, forward: FunctionalModel, num_classes: int):
         self.cfg = cfg
@@ -116,31 +131,15 @@ class Algorithm:
         #: no labels), set by the engine for a method with ``uses_server_data``; else None
         self.server_data: ServerData | None = None
 
-    # ----- capabilities --------------------------------------------------------------------
-    @property
-    def aggregates(self) -> bool:
-        """The server combines the clients' uploads every round."""
-        return True
-
-    @property
-    def has_global_model(self) -> bool:
-        """There is a single global model to score on the global test set (``global_model``)."""
-        return True
-
-    @property
-    def personalized(self) -> bool:
-        """Clients keep models of their own (``personalized_model``), scored on their local test
-        splits at every evaluation round."""
-        return False
-
     @property
     def stackable(self) -> bool:
+        """The client hooks run under vmap (``not_stackable_because`` is None)."""
         return self.not_stackable_because is None
 
     # ----- server side -----------------------------------------------------------------------
-    def init_server(self, params: Params, num_clients: int) -> dict[str, Any]:
-        """The server state at round 0 from the initial model, for K = ``num_clients``.
-        Default: ``{"model": params}``."""
+    def init_server(self, params: Params, fed: Federation) -> dict[str, Any]:
+        """The server state at round 0 from the initial model, for the federation ``fed`` (K =
+        ``fed.num_clients``, the clients' sample counts). Default: ``{"model": params}``."""
         return {"model": params}
 
     def download(self, server: dict[str, Any], clients: torch.Tensor, rnd: RoundInfo) -> Download:
@@ -172,8 +171,9 @@ class Algorithm:
         return {"model": TreeSpec(self.forward.shapes), "num_samples": ArraySpec()}
 
     # ----- client side -----------------------------------------------------------------------
-    def init_client_state(self, params: Params, client: int) -> dict[str, Any]:
-        """One client's persistent state at round 0 (the engine stacks K of them). With
+    def init_client_state(self, params: Params, client: int, fed: Federation) -> dict[str, Any]:
+        """One client's persistent state at round 0 (the engine stacks K of them; ``fed``: K and
+        the clients' sample counts, e.g. APPLE's DR vector of length K). With
         ``seeded_client_init`` the engine calls it with the CPU generator seeded from (run seed,
         ``client``) and restores the generator after. Default: none."""
         return {}
@@ -245,6 +245,21 @@ class Algorithm:
     def predict(self, model: Any, x: torch.Tensor) -> torch.Tensor:
         """Logits (float [B, C]) of an evaluated model (evaluation mode). Default: the model state's forward."""
         return self.forward(model, x)
+
+
+def check_required_parts(algo: Algorithm) -> None:
+    """Stops a run before round 0 when the model lacks a part the method declares it needs
+    (``requires_parts``): raises ValueError, one line naming the method, the part, ``train.model``
+    and the parts the model has. Nothing when every declared part is present and non-empty."""
+    fw = algo.forward
+    for part in type(algo).requires_parts:
+        if fw.parts.get(part):
+            continue
+        has = sorted(p for p, names in fw.parts.items() if names)
+        why = f"its {part!r} part is empty" if part in fw.parts else f"it has no {part!r} part"
+        raise ValueError(f"method {algo.name!r} needs the model part {part!r} and train.model="
+                         f"{getattr(fw, 'model_name', '?')} lacks it ({why}; its parts: {', '.join(has) or 'none'}); "
+                         f"choose a train.model with a {part!r} part (docs/models.md)")
 
 
 def accuracy_pass(algo: Algorithm, tree: str = "model", name: str = "train_acc") -> Pass:

@@ -22,7 +22,7 @@ from pydantic import Field
 from medpfl.algorithms.base import Algorithm, MethodConfig
 from medpfl.algorithms.fedprox import proximal_term
 from medpfl.fl.functional import Params, clone_params, weighted_ce
-from medpfl.fl.program import Phase, RoundInfo
+from medpfl.fl.program import Federation, Phase, RoundInfo
 
 
 class DittoConfig(MethodConfig):
@@ -40,11 +40,9 @@ class Ditto(Algorithm):
     Config = DittoConfig
     paper = "Li, Hu, Beirami & Smith, Ditto: Fair and Robust Federated Learning Through Personalization, ICML 2021"
 
-    @property
-    def personalized(self) -> bool:
-        return True
+    personalized = True
 
-    def init_client_state(self, params: Params, client: int) -> dict[str, Any]:
+    def init_client_state(self, params: Params, client: int, fed: Federation) -> dict[str, Any]:
         return {"personal": clone_params(params)}
 
     def shared_context(self, shared, rnd: RoundInfo):

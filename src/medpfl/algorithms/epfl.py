@@ -67,7 +67,7 @@ from pydantic import Field
 from medpfl.algorithms.base import Algorithm, MethodConfig
 from medpfl.fl.functional import Params
 from medpfl.fl.payload import TreeSpec
-from medpfl.fl.program import Download, RoundInfo
+from medpfl.fl.program import Download, Federation, RoundInfo
 
 #: the zero-distance guard of Eq. 7 (spec B.2.3: dbar <- max(dbar, 1e-12))
 DIST_EPS = 1e-12
@@ -133,13 +133,8 @@ class EPFL(Algorithm):
     requires_parts = ("lora_A", "lora_B", "head")
     # B and the head are never averaged: no setting gives FedAvg
 
-    @property
-    def has_global_model(self) -> bool:
-        return False
-
-    @property
-    def personalized(self) -> bool:
-        return True
+    has_global_model = False
+    personalized = True
 
     # ----- the split -----------------------------------------------------------------------------
     def lora_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -194,13 +189,13 @@ class EPFL(Algorithm):
         shapes = self.forward.shapes
         return {"A": TreeSpec({k: shapes[k] for k in a}), "B": TreeSpec({k: shapes[k] for k in b})}
 
-    def init_server(self, params: Params, num_clients: int) -> dict[str, Any]:
+    def init_server(self, params: Params, fed: Federation) -> dict[str, Any]:
         a, b = self.lora_names()
         selected_layers(len(b), self.cfg.psi)  # an empty psi stops here, not at the first aggregation
         ref = params[a[0]]
-        return {"A": {k: params[k].detach().unsqueeze(0).repeat(num_clients, *([1] * params[k].dim())).clone()
+        return {"A": {k: params[k].detach().unsqueeze(0).repeat(fed.num_clients, *([1] * params[k].dim())).clone()
                       for k in a},
-                "weights": torch.eye(num_clients, dtype=torch.float64, device=ref.device)}
+                "weights": torch.eye(fed.num_clients, dtype=torch.float64, device=ref.device)}
 
     def download(self, server, clients, rnd: RoundInfo) -> Download:
         """Client i gets its own mixed A_i (per client, leading dim m); nothing is shared."""
@@ -220,7 +215,7 @@ class EPFL(Algorithm):
         return None
 
     # ----- client --------------------------------------------------------------------------------
-    def init_client_state(self, params: Params, client: int) -> dict[str, Any]:
+    def init_client_state(self, params: Params, client: int, fed: Federation) -> dict[str, Any]:
         """The client's id (to pick its row of the server's A in ``personalized_model``) and its
         local entries (B, head, ...) from the common initial model."""
         ref = params[self.lora_names()[0][0]]

@@ -26,7 +26,7 @@ from pydantic import Field
 
 from medpfl.algorithms.base import Algorithm, MethodConfig
 from medpfl.fl.functional import Params, clone_params, weighted_ce
-from medpfl.fl.program import Phase, RoundInfo, Until
+from medpfl.fl.program import Federation, Phase, RoundInfo, Until
 
 
 class FedALAConfig(MethodConfig):
@@ -60,14 +60,12 @@ class FedALA(Algorithm):
     not_stackable_because = ("its first adaptive local aggregation trains until its loss converges "
                              "(a data-dependent number of epochs)")
 
-    @property
-    def personalized(self) -> bool:
-        return True
+    personalized = True
 
     def _top(self) -> tuple[str, ...]:
         return self.forward.trainable[-self.cfg.layer_idx:]
 
-    def init_client_state(self, params: Params, client: int) -> dict[str, Any]:
+    def init_client_state(self, params: Params, client: int, fed: Federation) -> dict[str, Any]:
         return {"model": clone_params(params), "weights": {k: torch.ones_like(params[k]) for k in self._top()},
                 "first": torch.ones((), device=params[self._top()[0]].device)}
 

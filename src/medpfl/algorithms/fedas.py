@@ -32,7 +32,7 @@ from torch.func import grad
 from medpfl.algorithms.base import Algorithm, MethodConfig
 from medpfl.fl.functional import Params, clone_params, size_weights, weighted_average, weighted_ce
 from medpfl.fl.payload import ArraySpec, TreeSpec
-from medpfl.fl.program import Pass, Phase, RoundInfo
+from medpfl.fl.program import Federation, Pass, Phase, RoundInfo
 
 
 class FedASConfig(MethodConfig):
@@ -65,15 +65,14 @@ class FedAS(Algorithm):
     name = "fedas"
     Config = FedASConfig
     paper = "Yang, Huang & Ye, FedAS: Bridging Inconsistency in Personalized Federated Learning, CVPR 2024"
+    requires_parts = ("body", "head")  # aligns the global body to its own head's prototypes
 
-    @property
-    def personalized(self) -> bool:
-        return True
+    personalized = True
 
     def upload_spec(self):
         return {"model": TreeSpec(self.forward.shapes), "fisher_trace": ArraySpec(), "num_samples": ArraySpec()}
 
-    def init_client_state(self, params: Params, client: int) -> dict[str, Any]:
+    def init_client_state(self, params: Params, client: int, fed: Federation) -> dict[str, Any]:
         return {"model": clone_params(params)}
 
     def begin(self, received, state, info, rnd):

@@ -40,7 +40,7 @@ from pydantic import Field
 from medpfl.algorithms.base import Algorithm, MethodConfig
 from medpfl.fl.functional import Params, size_weights, weighted_average
 from medpfl.fl.payload import ArraySpec, TreeSpec
-from medpfl.fl.program import Download, Phase, RoundInfo
+from medpfl.fl.program import Download, Federation, Phase, RoundInfo
 
 
 class FedBABUConfig(MethodConfig):
@@ -64,10 +64,9 @@ class FedBABU(Algorithm):
     name = "fedbabu"
     Config = FedBABUConfig
     paper = "Oh, Kim & Yun, FedBABU: Toward Enhanced Representation for Federated Image Classification, ICLR 2022"
+    requires_parts = ("body", "head")  # shares the body, freezes the head
 
-    @property
-    def personalized(self) -> bool:
-        return True
+    personalized = True
 
     def upload_spec(self):
         return {"body": TreeSpec(self.forward.part_shapes("body")), "num_samples": ArraySpec()}
@@ -79,7 +78,7 @@ class FedBABU(Algorithm):
     def per_visit(self) -> bool:
         return self.cfg.personalization == "per_visit"
 
-    def init_client_state(self, params: Params, client: int) -> dict[str, Any]:
+    def init_client_state(self, params: Params, client: int, fed: Federation) -> dict[str, Any]:
         # the fixed head every client holds from the shared initialisation (and, per visit, the
         # last fine-tuned model and whether there is one)
         head = self.forward.part(params, "head")

@@ -40,7 +40,7 @@ from pydantic import Field
 from medpfl.algorithms.base import Algorithm, MethodConfig
 from medpfl.fl.functional import Params, size_weights, weighted_average
 from medpfl.fl.payload import ArraySpec, TreeSpec
-from medpfl.fl.program import Download, RoundInfo
+from medpfl.fl.program import Download, Federation, RoundInfo
 
 
 class FedBNConfig(MethodConfig):
@@ -61,13 +61,8 @@ class FedBN(Algorithm):
             "Normalization, ICLR 2021"
     requires_parts = ("bn",)
 
-    @property
-    def has_global_model(self) -> bool:
-        return False
-
-    @property
-    def personalized(self) -> bool:
-        return True
+    has_global_model = False
+    personalized = True
 
     # ----- the split -------------------------------------------------------------------------
     def bn_names(self) -> tuple[str, ...]:
@@ -97,7 +92,7 @@ class FedBN(Algorithm):
         return {"model": TreeSpec({k: self.forward.shapes[k] for k in self.shared_names()}),
                 "num_samples": ArraySpec()}
 
-    def init_server(self, params: Params, num_clients: int) -> dict[str, Any]:
+    def init_server(self, params: Params, fed: Federation) -> dict[str, Any]:
         return {"model": self._part(params, self.shared_names())}
 
     def download(self, server, clients, rnd: RoundInfo) -> Download:
@@ -109,7 +104,7 @@ class FedBN(Algorithm):
         return {**server, "model": weighted_average(uploads["model"], w)}
 
     # ----- client ------------------------------------------------------------------------------
-    def init_client_state(self, params: Params, client: int) -> dict[str, Any]:
+    def init_client_state(self, params: Params, client: int, fed: Federation) -> dict[str, Any]:
         return {"bn": {k: v.detach().clone() for k, v in self._part(params, self.bn_names()).items()}}
 
     def begin(self, received, state, info, rnd):

@@ -31,7 +31,7 @@ from torch.func import grad
 from medpfl.algorithms.base import Algorithm, MethodConfig
 from medpfl.fl.functional import Params, size_weights, weighted_average, weighted_ce
 from medpfl.fl.payload import ArraySpec, TreeSpec
-from medpfl.fl.program import Download, Pass, RoundInfo
+from medpfl.fl.program import Download, Federation, Pass, RoundInfo
 
 
 class FedCurvConfig(MethodConfig):
@@ -62,8 +62,8 @@ class FedCurv(Algorithm):
     def upload_spec(self):
         return {"model": TreeSpec(self.forward.shapes), "fisher": TreeSpec(self._shapes()), "num_samples": ArraySpec()}
 
-    def init_server(self, params: Params, num_clients: int) -> dict[str, Any]:
-        k = num_clients
+    def init_server(self, params: Params, fed: Federation) -> dict[str, Any]:
+        k = fed.num_clients
         zeros = {n: torch.zeros((k, *params[n].shape), dtype=params[n].dtype, device=params[n].device)
                  for n in self.forward.trainable}
         return {"model": params, "u": zeros, "v": {n: t.clone() for n, t in zeros.items()}}

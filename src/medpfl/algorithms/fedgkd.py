@@ -35,7 +35,7 @@ from pydantic import Field
 
 from medpfl.algorithms.base import Algorithm, MethodConfig
 from medpfl.fl.functional import Params, weighted_average, weighted_ce, weighted_kl
-from medpfl.fl.program import Download, RoundInfo
+from medpfl.fl.program import Download, Federation, RoundInfo
 
 
 class FedGKDConfig(MethodConfig):
@@ -100,7 +100,7 @@ class FedGKD(Algorithm):
         return self._distils and self.cfg.buffer_size > 1
 
     # ----- server ---------------------------------------------------------------------------
-    def init_server(self, params: Params, num_clients: int) -> dict[str, Any]:
+    def init_server(self, params: Params, fed: Federation) -> dict[str, Any]:
         m = self.cfg.buffer_size
         return {"model": params,
                 "buffer": {k: torch.zeros((m, *v.shape), dtype=v.dtype, device=v.device) for k, v in params.items()},

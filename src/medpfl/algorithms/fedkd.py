@@ -36,7 +36,7 @@ from pydantic import Field
 from medpfl.algorithms.base import Algorithm, MethodConfig
 from medpfl.fl.functional import Params, clone_params, weighted_ce
 from medpfl.fl.payload import ArraySpec, TreeSpec, decode_tree, encode_tree
-from medpfl.fl.program import Download, Phase, RoundInfo
+from medpfl.fl.program import Download, Federation, Phase, RoundInfo
 
 
 class FedKDConfig(MethodConfig):
@@ -82,10 +82,9 @@ class FedKD(Algorithm):
     name = "fedkd"
     Config = FedKDConfig
     paper = "Wu et al., Communication-efficient federated learning via knowledge distillation, Nat. Commun. 2022"
+    requires_parts = ("body",)  # distils the body's hidden features
 
-    @property
-    def personalized(self) -> bool:
-        return True
+    personalized = True
 
     def _float_names(self) -> list[str]:
         return [k for k in self.forward.shapes if k not in self.forward.buffers]
@@ -94,7 +93,7 @@ class FedKD(Algorithm):
         shapes = {k: self.forward.shapes[k] for k in self._float_names()}
         return {"update": TreeSpec(shapes, compressed=True), "num_samples": ArraySpec()}
 
-    def init_server(self, params: Params, num_clients: int) -> dict[str, Any]:
+    def init_server(self, params: Params, fed: Federation) -> dict[str, Any]:
         return {"model": params, "prev": params, "update": None}
 
     def download(self, server, clients, rnd: RoundInfo) -> Download:
@@ -102,7 +101,7 @@ class FedKD(Algorithm):
             return Download(shared={"mentee": server["model"]}, to_all=True)
         return Download(shared={"update": server["update"]}, synced={"prev": server["prev"]}, to_all=True)
 
-    def init_client_state(self, params: Params, client: int) -> dict[str, Any]:
+    def init_client_state(self, params: Params, client: int, fed: Federation) -> dict[str, Any]:
         d = self.forward.feature_dim
         w_h = torch.empty(d, d, device=next(iter(params.values())).device)
         torch.nn.init.kaiming_uniform_(w_h, a=math.sqrt(5))  # nn.Linear(d, d, bias=False)'s init

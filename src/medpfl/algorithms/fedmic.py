@@ -51,7 +51,7 @@ from medpfl.algorithms.base import Algorithm, MethodConfig
 from medpfl.algorithms.pfedkdwcl import random_model_state
 from medpfl.fl.functional import Params, clone_params, weighted_average, weighted_ce
 from medpfl.fl.payload import ArraySpec, LowRank, TreeSpec, decode_tree, encode_tree, matrix_view, payload_nbytes
-from medpfl.fl.program import Download, Phase, RoundInfo
+from medpfl.fl.program import Download, Federation, Phase, RoundInfo
 from medpfl.fl.sampling import derive_seed
 
 
@@ -183,11 +183,10 @@ class FedMIC(Algorithm):
     Config = FedMICConfig
     paper = ("Ren, Hu, Chen & Wang, Federated Distillation for Medical Image Classification: Towards "
              "Trustworthy Computer-Aided Diagnosis (FedMIC)")
+    requires_parts = ("body",)  # distils the body's hidden features (Dual-KD)
     seeded_client_init = True  # the teacher's independent random init: a function of (run seed, client)
 
-    @property
-    def personalized(self) -> bool:
-        return True
+    personalized = True
 
     # ----- what crosses --------------------------------------------------------------------
     def update_names(self) -> list[str]:
@@ -205,7 +204,7 @@ class FedMIC(Algorithm):
         return encode_tree(tree, self.cfg.energy) if self.cfg.gpd else dict(tree)
 
     # ----- server --------------------------------------------------------------------------
-    def init_server(self, params: Params, num_clients: int) -> dict[str, Any]:
+    def init_server(self, params: Params, fed: Federation) -> dict[str, Any]:
         return {"model": params, "prev": params, "update": None}
 
     def download(self, server, clients, rnd: RoundInfo) -> Download:
@@ -240,7 +239,7 @@ class FedMIC(Algorithm):
             return ()
         return ("t", "s") if self.cfg.aux_mode == "per_model" else ("shared",)
 
-    def init_client_state(self, params: Params, client: int) -> dict[str, Any]:
+    def init_client_state(self, params: Params, client: int, fed: Federation) -> dict[str, Any]:
         like = next(iter(params.values()))
         teacher = (random_model_state(self.forward.module, params) if self.cfg.teacher_init == "independent"
                    else clone_params(params))

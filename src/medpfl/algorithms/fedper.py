@@ -20,7 +20,7 @@ import torch
 from medpfl.algorithms.base import Algorithm, MethodConfig
 from medpfl.fl.functional import Params, clone_params, size_weights, weighted_average
 from medpfl.fl.payload import ArraySpec, TreeSpec
-from medpfl.fl.program import Download, RoundInfo
+from medpfl.fl.program import Download, Federation, RoundInfo
 
 
 class FedPerConfig(MethodConfig):
@@ -31,25 +31,21 @@ class FedPer(Algorithm):
     name = "fedper"
     Config = FedPerConfig
     paper = "Arivazhagan et al., Federated Learning with Personalization Layers, arXiv 1912.00818 (2019)"
+    requires_parts = ("body", "head")  # shares the body, keeps the head
 
-    @property
-    def has_global_model(self) -> bool:
-        return False
-
-    @property
-    def personalized(self) -> bool:
-        return True
+    has_global_model = False
+    personalized = True
 
     def upload_spec(self):
         return {"body": TreeSpec(self.forward.part_shapes("body")), "num_samples": ArraySpec()}
 
-    def init_server(self, params: Params, num_clients: int) -> dict[str, Any]:
+    def init_server(self, params: Params, fed: Federation) -> dict[str, Any]:
         return {"body": self.forward.part(params, "body")}
 
     def download(self, server, clients, rnd: RoundInfo) -> Download:
         return Download(shared={"body": server["body"]})
 
-    def init_client_state(self, params: Params, client: int) -> dict[str, Any]:
+    def init_client_state(self, params: Params, client: int, fed: Federation) -> dict[str, Any]:
         return {"model": clone_params(params), "trained": torch.zeros((), device=next(iter(params.values())).device)}
 
     def begin(self, received, state, info, rnd):

@@ -57,7 +57,7 @@ from pydantic import Field
 from medpfl.algorithms.base import Algorithm, MethodConfig
 from medpfl.fl.functional import Params, clone_params, weighted_ce
 from medpfl.fl.payload import ArraySpec
-from medpfl.fl.program import Download, Pass, RoundInfo
+from medpfl.fl.program import Download, Federation, Pass, RoundInfo
 
 
 class FedProtoConfig(MethodConfig):
@@ -135,13 +135,8 @@ class FedProto(Algorithm):
     paper = "Tan et al., FedProto: Federated Prototype Learning across Heterogeneous Clients, AAAI 2022"
     requires_parts = ("body",)
 
-    @property
-    def has_global_model(self) -> bool:
-        return False
-
-    @property
-    def personalized(self) -> bool:
-        return True
+    has_global_model = False
+    personalized = True
 
     def _check_body(self) -> None:
         if not self.forward.parts.get("body"):
@@ -157,7 +152,7 @@ class FedProto(Algorithm):
         c, d = self._shapes()
         return {"protos": ArraySpec((c, d)), "counts": ArraySpec((c,))}
 
-    def init_server(self, params: Params, num_clients: int) -> dict[str, Any]:
+    def init_server(self, params: Params, fed: Federation) -> dict[str, Any]:
         self._check_body()
         c, d = self._shapes()
         dev = next(iter(params.values())).device
@@ -167,7 +162,7 @@ class FedProto(Algorithm):
         return Download(shared={"protos": server["protos"], "has": server["has"]},
                         to_all=self.cfg.predict_with == "prototypes")
 
-    def init_client_state(self, params: Params, client: int) -> dict[str, Any]:
+    def init_client_state(self, params: Params, client: int, fed: Federation) -> dict[str, Any]:
         return {"model": clone_params(params)}
 
     def shared_context(self, shared, rnd: RoundInfo) -> dict[str, Any]:

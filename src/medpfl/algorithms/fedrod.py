@@ -40,7 +40,7 @@ from pydantic import Field
 
 from medpfl.algorithms.base import Algorithm, MethodConfig
 from medpfl.fl.functional import Params, clone_params, weighted_ce
-from medpfl.fl.program import Phase, RoundInfo
+from medpfl.fl.program import Federation, Phase, RoundInfo
 
 
 class FedRoDConfig(MethodConfig):
@@ -69,12 +69,11 @@ class FedRoD(Algorithm):
     name = "fedrod"
     Config = FedRoDConfig
     paper = "Chen & Chao, On Bridging Generic and Personalized Federated Learning for Image Classification, ICLR 2022"
+    requires_parts = ("body", "head")  # a shared body's features feed the generic and the personal head
 
-    @property
-    def personalized(self) -> bool:
-        return True
+    personalized = True
 
-    def init_client_state(self, params: Params, client: int) -> dict[str, Any]:
+    def init_client_state(self, params: Params, client: int, fed: Federation) -> dict[str, Any]:
         return {"personal": clone_params(self.forward.part(params, "head"))}
 
     def begin(self, received, state, info, rnd: RoundInfo):

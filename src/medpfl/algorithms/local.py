@@ -15,7 +15,7 @@ import torch
 
 from medpfl.algorithms.base import Algorithm, MethodConfig
 from medpfl.fl.functional import Params, clone_params
-from medpfl.fl.program import Download, RoundInfo
+from medpfl.fl.program import Download, Federation, RoundInfo
 
 
 class LocalConfig(MethodConfig):
@@ -27,22 +27,14 @@ class Local(Algorithm):
     Config = LocalConfig
     paper = "no-communication baseline (each client trains alone)"
 
-    @property
-    def aggregates(self) -> bool:
-        return False
-
-    @property
-    def has_global_model(self) -> bool:
-        return False
-
-    @property
-    def personalized(self) -> bool:
-        return True
+    aggregates = False
+    has_global_model = False
+    personalized = True
 
     def upload_spec(self):
         return {}
 
-    def init_client_state(self, params: Params, client: int) -> dict[str, Any]:
+    def init_client_state(self, params: Params, client: int, fed: Federation) -> dict[str, Any]:
         return {"model": clone_params(params)}
 
     def download(self, server: dict[str, Any], clients: torch.Tensor, rnd: RoundInfo) -> Download:

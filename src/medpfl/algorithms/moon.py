@@ -26,7 +26,7 @@ from pydantic import Field
 
 from medpfl.algorithms.base import Algorithm, MethodConfig
 from medpfl.fl.functional import Params, clone_params, weighted_ce
-from medpfl.fl.program import RoundInfo
+from medpfl.fl.program import Federation, RoundInfo
 
 
 class MOONConfig(MethodConfig):
@@ -52,9 +52,10 @@ class MOON(Algorithm):
     name = "moon"
     Config = MOONConfig
     paper = "Li, He & Song, Model-Contrastive Federated Learning, CVPR 2021"
+    requires_parts = ("body",)  # contrasts the body's features
     fedavg_when = {"mu": 0.0}
 
-    def init_client_state(self, params: Params, client: int) -> dict[str, Any]:
+    def init_client_state(self, params: Params, client: int, fed: Federation) -> dict[str, Any]:
         return {"prev": clone_params(params)}
 
     def shared_context(self, shared, rnd: RoundInfo):

@@ -85,9 +85,7 @@ class PerFedAvg(Algorithm):
              "A Model-Agnostic Meta-Learning Approach, NeurIPS 2020 (first-order variant)")
     # no setting of its knobs gives FedAvg: every step is evaluated at an inner-adapted point
 
-    @property
-    def personalized(self) -> bool:
-        return True
+    personalized = True
 
     def _alpha(self, rnd: RoundInfo) -> float:
         return self.cfg.alpha if self.cfg.alpha is not None else rnd.lr

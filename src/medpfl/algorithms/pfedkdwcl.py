@@ -63,7 +63,7 @@ from torch.func import grad
 from medpfl.algorithms.base import Algorithm, MethodConfig
 from medpfl.fl.functional import Params, clone_params, model_state, weighted_ce, weighted_kl
 from medpfl.fl.payload import ArraySpec, TreeSpec
-from medpfl.fl.program import Pass, Phase, RoundInfo
+from medpfl.fl.program import Federation, Pass, Phase, RoundInfo
 
 
 class PFedKDWCLConfig(MethodConfig):
@@ -130,9 +130,7 @@ class PFedKDWCL(Algorithm):
     fedavg_when = None  # the server takes a KL-gradient step on w; it never averages models
     seeded_client_init = True  # theta_i's random draw: a function of (run seed, client id)
 
-    @property
-    def personalized(self) -> bool:
-        return True
+    personalized = True
 
     def _grad_shapes(self) -> dict[str, tuple[int, ...]]:
         return {k: self.forward.shapes[k] for k in self.forward.trainable}
@@ -160,7 +158,7 @@ class PFedKDWCL(Algorithm):
         return {**server, "model": model}
 
     # ----- client -----------------------------------------------------------------------------
-    def init_client_state(self, params: Params, client: int) -> dict[str, Any]:
+    def init_client_state(self, params: Params, client: int, fed: Federation) -> dict[str, Any]:
         if self.cfg.theta_init == "global":
             return {"theta": clone_params(params)}
         return {"theta": random_model_state(self.forward.module, params)}

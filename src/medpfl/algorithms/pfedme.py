@@ -53,7 +53,7 @@ from medpfl.algorithms.base import Algorithm, MethodConfig
 from medpfl.algorithms.inner import grad_of_trainable
 from medpfl.algorithms.pfedkdwcl import random_model_state
 from medpfl.fl.functional import Params, clone_params, weighted_average, weighted_ce
-from medpfl.fl.program import Phase, RoundInfo
+from medpfl.fl.program import Federation, Phase, RoundInfo
 
 
 class PFedMeConfig(MethodConfig):
@@ -110,16 +110,14 @@ class PFedMe(Algorithm):
     # the global model is driven by the Moreau envelope's gradient, never FedAvg's update
     seeded_client_init = True  # theta_init random: a function of (run seed, client id); the others draw nothing
 
-    @property
-    def personalized(self) -> bool:
-        return True
+    personalized = True
 
     def training_clients(self, sampled: np.ndarray, num_clients: int, rnd: RoundInfo) -> np.ndarray:
         if not self.cfg.all_clients_train:
             return sampled
         return np.arange(num_clients, dtype=np.int64)
 
-    def init_client_state(self, params: Params, client: int) -> dict[str, Any]:
+    def init_client_state(self, params: Params, client: int, fed: Federation) -> dict[str, Any]:
         if self.cfg.theta_init == "random":
             return {"theta": random_model_state(self.forward.module, params)}
         return {"theta": clone_params(params)}

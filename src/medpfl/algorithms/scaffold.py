@@ -76,7 +76,7 @@ from medpfl.algorithms.aggregation import client_weights
 from medpfl.algorithms.base import Algorithm, MethodConfig
 from medpfl.fl.functional import Params, weighted_average, weighted_ce
 from medpfl.fl.payload import ArraySpec, TreeSpec
-from medpfl.fl.program import Download, Phase, RoundInfo
+from medpfl.fl.program import Download, Federation, Phase, RoundInfo
 
 
 class ScaffoldConfig(MethodConfig):
@@ -123,7 +123,7 @@ class Scaffold(Algorithm):
         return {k: torch.zeros_like(params[k]) for k in self.forward.trainable}
 
     # ----- server ------------------------------------------------------------------------------
-    def init_server(self, params: Params, num_clients: int) -> dict[str, Any]:
+    def init_server(self, params: Params, fed: Federation) -> dict[str, Any]:
         return {"model": params, "c": self._zeros(params)} if self._control else {"model": params}
 
     def download(self, server, clients, rnd: RoundInfo) -> Download:
@@ -155,7 +155,7 @@ class Scaffold(Algorithm):
         return out
 
     # ----- client ------------------------------------------------------------------------------
-    def init_client_state(self, params: Params, client: int) -> dict[str, Any]:
+    def init_client_state(self, params: Params, client: int, fed: Federation) -> dict[str, Any]:
         return {"c": self._zeros(params)} if self._control else {}
 
     def shared_context(self, shared, rnd: RoundInfo):

@@ -40,47 +40,20 @@ import numpy as np
 import pandas as pd
 import torch
 
-from medpfl.algorithms.base import Algorithm
+from medpfl.algorithms.base import Algorithm, check_required_parts
 from medpfl.config import EvalConfig, ParamsError, TrainConfig, canonical_json
 from medpfl.data.schemas import EvalRecords, RoundLog, validate
 from medpfl.fl.data import FederatedData, ServerData
 from medpfl.fl.evaluation import eval_groups, records_from_counts
 from medpfl.fl.functional import Params, model_state
 from medpfl.fl.payload import UploadSpecError, check_upload, payload_dense_nbytes, payload_nbytes
-from medpfl.fl.program import Download, Phase, RoundInfo
+from medpfl.fl.program import Federation, RoundInfo
 from medpfl.fl.sampling import client_schedule, seeded_cpu_rng
 from medpfl.fl.tree import first_nonfinite, tree_index, tree_leaves, tree_scatter, tree_stack
 from medpfl.io import atomic_path
 from medpfl.models import build_model
 
 log = logging.getLogger(__name__)
-
-
-class _Adaptation(Algorithm):
-    """The evaluation-time program of a method (``adaptation_phases``) as an algorithm the
-    executors run like a round: each client starts from its personalized model (per-client
-    download ``"model"``), runs the phases on its local train split and returns the adapted
-    model; nothing is uploaded and no state is kept."""
-
-    def __init__(self, algo: Algorithm):
-        super().__init__(algo.cfg, algo.forward, algo.num_classes)
-        self.inner = algo
-        self.name = f"{algo.name}:adaptation"
-
-    def begin(self, received, state, info, rnd):
-        return {"model": received["model"]}, {}
-
-    def phases(self, rnd: RoundInfo) -> list[Phase]:
-        return self.inner.adaptation_phases(rnd)
-
-    def local_loss(self, trees, ctx, batch):
-        return self.inner.local_loss(trees, ctx, batch)
-
-    def finish(self, trees, ctx, state, info, rnd):
-        return {}, state, trees["model"]
-
-    def predict(self, model, x):
-        return self.inner.predict(model, x)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -171,7 +144,13 @@ class Engine:
     fingerprint: str = ""
 
     def __post_init__(self):
+        check_required_parts(self.algo)  # before anything is built: one line naming method, part and model
         self._attach_server_data()
+        data = self.data
+        #: what the set-up hooks read about the federation (K, each client's local train size, C)
+        self.federation = Federation(num_clients=data.num_clients,
+                                     num_samples=tuple(int(len(t)) for t in data.client_train),
+                                     num_classes=data.num_classes)
         self._has_val = any(len(v) for v in (getattr(self.data, "client_val", None) or []))
         self.executor = make_executor(self.executor_kind, self.algo, self.data, self.train, self.seed, self.eval.batch_size)
         self.schedule = client_schedule(self.data.num_clients, self.train.participation, self.train.rounds,
@@ -210,11 +189,12 @@ class Engine:
         (:func:`~medpfl.fl.sampling.seeded_cpu_rng`, restored after), so a random draw in
         ``init_client_state`` is a function of the run seed and the client id only."""
         if not self.algo.seeded_client_init:
-            return tree_stack([self.algo.init_client_state(params, c) for c in range(self.data.num_clients)])
+            return tree_stack([self.algo.init_client_state(params, c, self.federation)
+                               for c in range(self.data.num_clients)])
         states = []
         for c in range(self.data.num_clients):
             with seeded_cpu_rng("client_state", self.seed, c):
-                states.append(self.algo.init_client_state(params, c))
+                states.append(self.algo.init_client_state(params, c, self.federation))
         return tree_stack(states)
 
     def run(self) -> RunResult:
@@ -223,7 +203,7 @@ class Engine:
         state = self._load_checkpoint()
         if state is None:
             params = self.initial_params()
-            server = algo.init_server(params, k)
+            server = algo.init_server(params, self.federation)
             client_states = self.initial_client_states(params)
             records: list[dict] = []
             rounds: list[dict] = []
@@ -355,17 +335,16 @@ class Engine:
         return trainers, np.searchsorted(trainers, sampled)
 
     def _adapted(self, models: Any, r: int) -> Any:
-        """Every client's personalized model after the method's ``adaptation_phases`` on its local
-        train split (stacked [K]); ``models`` unchanged when it declares none."""
-        algo = self.algo
+        """Every client's personalized model after the method's evaluation-time program
+        (``adaptation_phases``) on its local train split, run by the executor for all K clients
+        (one vmapped program on the stacked executor); stacked [K]. ``models`` unchanged when
+        the method declares no program for round ``r``."""
         rnd = self.round_info(r)
-        if not algo.adaptation_phases(rnd):
+        phases = self.algo.adaptation_phases(rnd)
+        if not phases:
             return models
-        everyone = np.arange(self.data.num_clients, dtype=np.int64)
-        adapt = _Adaptation(algo)
-        out, _, _ = self.executor.train_clients(adapt, Download(per_client={"model": models}),
-                                                tree_stack([{} for _ in everyone]), everyone, rnd)
-        return out
+        return self.executor.adapt_models(self.algo, phases, models, np.arange(self.data.num_clients, dtype=np.int64),
+                                          rnd)
 
     def _evaluate(self, server: dict[str, Any], client_states: dict[str, Any], r: int) -> list[dict]:
         algo, data, bs = self.algo, self.data, self.eval.batch_size

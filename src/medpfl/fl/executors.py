@@ -216,6 +216,22 @@ class SequentialExecutor:
             new_states.append(ns)
         return tree_stack(models), tree_stack(uploads), tree_stack(new_states)
 
+    def adapt_models(self, algo: Algorithm, phases: list[Phase], models: Any, clients: np.ndarray,
+                     rnd: RoundInfo) -> Any:
+        """The evaluation-time program (``Algorithm.adaptation_phases``): model j (a tree stacked
+        with leading dim m, rows in ``clients`` order) goes through ``phases`` on client
+        ``clients[j]``'s local train split as the tree ``"model"`` (objective: the phase's, else the
+        method's ``local_loss``; no context, passes or state). Returns the adapted models, stacked
+        [m]; ``models`` is not modified."""
+        self._check_phases(algo, phases)
+        out = []
+        for j, c in enumerate(clients):
+            trees = {"model": tree_clone(tree_index(models, j))}
+            for ph in phases:
+                trees, _ = self._run_phase(algo, ph, trees, {}, {}, self.data.client_train[int(c)], int(c), rnd)
+            out.append(trees["model"])
+        return tree_stack(out)
+
     def evaluate_models(self, algo: Algorithm, models: Any, groups: list[torch.Tensor]
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Model j (stacked, leading dim m) on index set ``groups[j]``.

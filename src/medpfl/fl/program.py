@@ -30,6 +30,25 @@ Selector = str | tuple[str, ...] | None
 
 
 @dataclass(frozen=True)
+class Federation:
+    """What a method's set-up hooks (``init_server``, ``init_client_state``) may read about the
+    federation, fixed for the run: num_clients K; num_samples: each client's local train size
+    (K ints, client order; empty where a caller does not know them, e.g. a unit test of one
+    hook); num_classes C (None where unknown). Passed to the hooks so that a method never keeps
+    run facts on ``self`` between hooks."""
+
+    num_clients: int
+    num_samples: tuple[int, ...] = ()
+    num_classes: int | None = None
+
+    def __post_init__(self):
+        if self.num_clients < 1:
+            raise ValueError(f"Federation: num_clients must be >= 1, got {self.num_clients}")
+        if self.num_samples and len(self.num_samples) != self.num_clients:
+            raise ValueError(f"Federation: {len(self.num_samples)} sample counts for {self.num_clients} clients")
+
+
+@dataclass(frozen=True)
 class RoundInfo:
     """What every hook may read about the current round (shared by all clients).
 

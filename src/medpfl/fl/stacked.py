@@ -282,6 +282,18 @@ class StackedExecutor(SequentialExecutor):
         uploads, new_states, models = vmap(algo.finish, in_dims=(0, cdims, 0, 0, None))(trees, ctx, states, info, rnd)
         return models, uploads, new_states
 
+    def adapt_models(self, algo: Algorithm, phases: list[Phase], models: Any, clients: np.ndarray,
+                     rnd: RoundInfo) -> Any:
+        """As :meth:`SequentialExecutor.adapt_models`, all m clients as one vmapped program."""
+        self._check_phases(algo, phases)
+        cl = [int(c) for c in clients]
+        groups = [self.data.client_train[c] for c in cl]
+        ids, _ = _pad_ids(groups)
+        trees = {"model": tree_clone(models)}
+        for ph in phases:
+            trees, _ = self._run_phase_stacked(algo, ph, trees, {}, {}, {}, ids, [len(g) for g in groups], cl, rnd)
+        return trees["model"]
+
     @torch.no_grad()
     def evaluate_models(self, algo: Algorithm, models: Any, groups: list[torch.Tensor]
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
