@@ -396,6 +396,72 @@ class TransformConfig(_Strict):
         return self.channels is None and self.normalize == "dataset"
 
 
+#: Per server optimizer: its keys and their defaults, each with its source (``docs/methods.md``,
+#: "Server optimizers"). Reddi et al., "Adaptive Federated Optimization", ICLR 2021 (arXiv
+#: 2003.00295): Algorithm 2 (FedAdagrad, FedYogi, FedAdam), Sec. 5 (β1 = 0.9, β2 = 0.99 for FedAdam
+#: and FedYogi; FedAvgM = server SGD with momentum 0.9). The authors' code, google-research/federated
+#: ``optimization/``: README.md (τ, its "epsilon": 1e-3 "worked well across task and optimizers"),
+#: docs/hyperparameters.md (FedAvgM ``--server_sgd_momentum=0.9``; the best server learning rate
+#: per task and optimizer from its grid: η here is the value most often best over its six tasks,
+#: for FedAdagrad the median of a tie between 10^-1 and 10^-1.5); FedAdagrad β1 = 0: the code's
+#: Keras Adagrad has no momentum. The paper tunes η per task: tune it for a new task.
+SERVER_OPTIMIZER_DEFAULTS: dict[str, dict[str, float]] = {
+    "fedavgm": {"lr": 1.0, "momentum": 0.9},
+    "fedadagrad": {"lr": 0.1, "beta1": 0.0, "tau": 1e-3},
+    "fedadam": {"lr": 0.01, "beta1": 0.9, "beta2": 0.99, "tau": 1e-3},
+    "fedyogi": {"lr": 0.01, "beta1": 0.9, "beta2": 0.99, "tau": 1e-3},
+}
+
+
+class ServerOptimizerConfig(_Strict):
+    """A server optimizer applied to the aggregated update of a method with a global model
+    (:mod:`medpfl.fl.server_opt`): Δ_t = (the method's new global model) − (the previous one),
+    on the model's trainable parameters.
+
+    name: ``fedavgm`` (server momentum, Hsu et al. 2019: ``u = momentum u + Δ; x += lr u``),
+    ``fedadagrad``, ``fedadam``, ``fedyogi`` (Reddi et al., ICLR 2021, Algorithm 2: ``m = beta1 m
+    + (1 - beta1) Δ``; v by Adagrad / Adam / Yogi; ``x += lr m / (sqrt(v) + tau)``, ``v`` starting
+    at ``tau**2``). A name alone (``server_optimizer: fedadam``) takes every default.
+
+    Keys, each only where its optimizer has it (another key is an error): ``lr`` (η, server
+    learning rate, > 0), ``momentum`` (fedavgm, in [0, 1)), ``beta1`` (adaptive ones, in [0, 1)),
+    ``beta2`` (fedadam, fedyogi, in [0, 1)), ``tau`` (adaptive ones, > 0). Defaults:
+    :data:`SERVER_OPTIMIZER_DEFAULTS`; the dump holds every key of the optimizer, resolved."""
+
+    name: Literal["fedavgm", "fedadagrad", "fedadam", "fedyogi"] = Field(
+        description="fedavgm (Hsu et al. 2019), fedadagrad, fedadam, fedyogi (Reddi et al., ICLR 2021, Alg. 2)")
+    lr: float | None = Field(None, gt=0.0, description="η, the server learning rate (paper: tuned per task)")
+    momentum: float | None = Field(None, ge=0.0, lt=1.0, description="fedavgm: server momentum β (0.9, paper Sec. 5)")
+    beta1: float | None = Field(None, ge=0.0, lt=1.0, description="adaptive: first-moment decay β1 (Alg. 2)")
+    beta2: float | None = Field(None, ge=0.0, lt=1.0, description="fedadam, fedyogi: second-moment decay β2 (Alg. 2)")
+    tau: float | None = Field(None, gt=0.0, description="adaptive: τ, the degree of adaptivity; v starts at τ²")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_defaults(cls, data: Any) -> Any:
+        """A bare name becomes ``{name: ...}``; a key the optimizer does not have is an error;
+        the missing ones get the optimizer's defaults."""
+        if isinstance(data, str):
+            data = {"name": data}
+        if not isinstance(data, dict) or data.get("name") not in SERVER_OPTIMIZER_DEFAULTS:
+            return data  # the field validators report it
+        defaults = SERVER_OPTIMIZER_DEFAULTS[data["name"]]
+        known = set(cls.model_fields) - {"name"}
+        wrong = sorted(k for k in data if k in known and k not in defaults and data[k] is not None)
+        if wrong:
+            raise ValueError(f"{', '.join(wrong)} does not apply to {data['name']} (its keys: "
+                             f"{', '.join(['name', *defaults])})")
+        return {**defaults, **{k: v for k, v in data.items() if v is not None}}
+
+    @model_serializer(mode="wrap")
+    def _only_its_keys(self, handler):
+        """Dumps the name and the optimizer's own keys (the others are None)."""
+        out = handler(self)
+        if isinstance(out, dict):
+            out = {k: v for k, v in out.items() if v is not None}
+        return out
+
+
 class TrainConfig(_Strict):
     """Local training and the model. ``model`` names a zoo model (:mod:`medpfl.models.zoo`);
     ``model_args`` holds that model's own arguments (``mlp``: ``hidden``), checked against it:
@@ -422,6 +488,10 @@ class TrainConfig(_Strict):
                                                   "no cuDNN benchmark (medpfl.environment); no effect on a CPU")
     transform: TransformConfig = Field(TransformConfig(), description="image input transform: channels (null | 3), "
                                                                      "normalize (dataset | imagenet)")
+    server_optimizer: ServerOptimizerConfig | None = Field(
+        None, description="null (default): the method's aggregate is the next global model; else a server "
+                          "optimizer on the aggregated update (fedavgm, fedadagrad, fedadam, fedyogi; "
+                          "medpfl.fl.server_opt), for methods with a global model")
 
     @field_validator("model")
     @classmethod
@@ -447,8 +517,8 @@ class TrainConfig(_Strict):
     @model_serializer(mode="wrap")
     def _drop_later_defaults(self, handler):
         """Keys added after runs existed are not dumped at their default: a model without
-        arguments dumps no ``model_args``, and ``deterministic: true`` and the default
-        ``transform`` are not dumped. The job
+        arguments dumps no ``model_args``, and ``deterministic: true``, the default
+        ``transform`` and ``server_optimizer: null`` are not dumped. The job
         descriptions (and so the Snakemake params triggers and checkpoint fingerprints) of such
         runs stay as they were before these keys existed; a non-default value is dumped and
         re-runs exactly the jobs it applies to."""
@@ -460,6 +530,8 @@ class TrainConfig(_Strict):
                 out.pop("deterministic")
             if self.transform.is_default():
                 out.pop("transform", None)
+            if out.get("server_optimizer", False) is None:
+                out.pop("server_optimizer")
         return out
 
     @field_validator("device")
@@ -658,7 +730,8 @@ class Params(_Strict):
         """The ``train`` section for one method's runs: the study's, with the method's own
         ``method_params.<name>.train`` overrides merged in (a mapping merges key by key; a new
         ``model`` starts from that model's defaults, with the variant's own ``model_args`` if it
-        gives any: another model's arguments are never merged in).
+        gives any: another model's arguments are never merged in; likewise another
+        ``server_optimizer`` name starts from that optimizer's defaults).
 
         Raises :class:`ParamsError` naming ``method_params.<name>.train.<key>``."""
         over = (self.method_params.get(name) or {}).get("train")
@@ -669,6 +742,9 @@ class Params(_Strict):
         base = self.train.model_dump()
         if "model" in over and over["model"] != base.get("model"):
             base.pop("model_args", None)
+        if "server_optimizer" in over and _server_optimizer_name(over["server_optimizer"]) not in (
+                None, (base.get("server_optimizer") or {}).get("name")):
+            base.pop("server_optimizer", None)  # another optimizer starts from its own defaults
         try:
             return TrainConfig.model_validate(deep_merge(base, over))
         except ValidationError as e:
@@ -680,11 +756,35 @@ class Params(_Strict):
                 msgs.append(f"method_params.{name}.train.{loc}: {msg}")
             raise ParamsError("; ".join(msgs)) from None
 
+    @model_validator(mode="after")
+    def _server_optimizers(self) -> "Params":
+        """A server optimizer needs a method whose global model it can step (``has_global_model``)
+        and that allows it (:func:`medpfl.fl.server_opt.check_applicable`); raises naming the
+        method and the key that set it."""
+        from medpfl.fl.server_opt import check_applicable
+
+        for name in self.methods:
+            opt = self.method_train(name).server_optimizer
+            if opt is None:
+                continue
+            own = "server_optimizer" in ((self.method_params.get(name) or {}).get("train") or {})
+            key = f"method_params.{name}.train.server_optimizer" if own else "train.server_optimizer"
+            cls, cfg = self.method_config(name)
+            check_applicable(name, cls, cfg, key, opt.name)
+        return self
+
     def method_config(self, name: str):
         """The resolved ``(algorithm class, validated config)`` for a method name."""
         from medpfl.algorithms import resolve_method
 
         return resolve_method(name, self.method_params)
+
+
+def _server_optimizer_name(v: Any) -> str | None:
+    """The optimizer name a ``server_optimizer`` override gives (None: none given, or ``null``)."""
+    if isinstance(v, str):
+        return v
+    return v.get("name") if isinstance(v, dict) else None
 
 
 def _fmt_loc(loc: tuple) -> str:
@@ -760,8 +860,8 @@ def train_job(params: Params, dataset: str, partition: str, method: str, seed: i
     command line, so its params trigger sees exactly these values).
 
     ``pool`` is present only for ``partitions.<name>.pool: all`` (no global test set), and
-    ``train.transform`` only when not the default, so the descriptions of earlier jobs are
-    unchanged."""
+    ``train.transform`` and ``train.server_optimizer`` only when not the default, so the
+    descriptions of earlier jobs are unchanged."""
     if partition not in params.partitions:
         raise ParamsError(f"partitions: no partition named {partition!r}")
     if (dataset, partition) not in params.dataset_partitions():

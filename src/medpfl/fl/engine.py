@@ -12,7 +12,10 @@ Round r:
   4. the uploads are checked against the method's declared ``upload_spec`` (the privacy
      boundary); the server aggregates them (``algo.aggregate``) into its next state (a method
      declaring ``uses_server_data`` reads the partition's unlabeled server images there, from
-     ``algo.server_data``, attached once before the run; the clients never see them);
+     ``algo.server_data``, attached once before the run; the clients never see them); with
+     ``train.server_optimizer`` (:mod:`medpfl.fl.server_opt`) the server then steps the previous
+     global model by FedAvgM/FedAdagrad/FedAdam/FedYogi on Δ = aggregate − previous (its state
+     kept in the server state under ``"server_optimizer"``, so checkpointed with it);
   5. on evaluation rounds: the global model (where the method has one) on the global test set
      (where the data set has one) and on every local test split, and each personalized model on its local test split (after
      the method's ``adaptation_phases`` on the local train split, where it declares some);
@@ -49,6 +52,7 @@ from medpfl.fl.functional import Params, model_state
 from medpfl.fl.payload import UploadSpecError, check_upload, payload_dense_nbytes, payload_nbytes
 from medpfl.fl.program import Federation, RoundInfo
 from medpfl.fl.sampling import client_schedule, seeded_cpu_rng
+from medpfl.fl.server_opt import make_server_optimizer
 from medpfl.fl.tree import first_nonfinite, tree_index, tree_leaves, tree_scatter, tree_stack
 from medpfl.io import atomic_path
 from medpfl.models import build_model
@@ -153,6 +157,7 @@ class Engine:
                                      num_classes=data.num_classes)
         self._has_val = any(len(v) for v in (getattr(self.data, "client_val", None) or []))
         self.executor = make_executor(self.executor_kind, self.algo, self.data, self.train, self.seed, self.eval.batch_size)
+        self.server_opt = make_server_optimizer(self.train.server_optimizer, self.algo)  # None: the aggregate as is
         self.schedule = client_schedule(self.data.num_clients, self.train.participation, self.train.rounds,
                                         self.train.sampling.scheme,
                                         self.train.sampling.seed if self.train.sampling.seed is not None else self.seed)
@@ -243,7 +248,9 @@ class Engine:
             check_upload(algo.name, algo.upload_spec(), uploads, m)
             if algo.aggregates:
                 with self._linalg_guard(r, "in the server update"):
-                    server = algo.aggregate(server, uploads, cidx, rnd)
+                    aggregated = algo.aggregate(server, uploads, cidx, rnd)
+                # train.server_optimizer: x_{t+1} from x_t and the aggregate (state in the server dict)
+                server = self.server_opt.apply(server, aggregated) if self.server_opt else aggregated
             self._check_finite(r, "after the server update", {"server state": server})
             if self._is_eval_round(r):
                 new_records += self._evaluate(server, client_states, r)
