@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from medpfl.algorithms import resolve_method
-from medpfl.config import EvalConfig, PartitionConfig, TrainConfig
+from medpfl.config import EvalConfig, TrainConfig, partition_config
 from medpfl.data.partition import build_partition
 from medpfl.data.preprocess import ProcessedData, load_official_npz
 from medpfl.data.sources import default_mirrors, fetch
@@ -152,7 +152,7 @@ def main() -> None:
 
     if a.part in (0, 1):
         table = build_partition(pool["sample_id"].to_numpy(), pool["label"].to_numpy(),
-                                PartitionConfig(num_clients=20, alpha=0.1, seed=1, local_test={"rule": "fedkper"}), "bench")
+                                partition_config(num_clients=20, alpha=0.1, seed=1, local_test={"rule": "fedkper"}), "bench")
         data = FederatedData.build(blood, table, dev)
         print(f"\nPart 1: FedKPer round, BloodMNIST, K=20, {a.epochs} local epochs, batch 12, {a.rounds} rounds "
               f"(first excluded)\n{HEADER}")
@@ -173,7 +173,7 @@ def main() -> None:
               f"\n{HEADER}")
         for k in a.scale:
             table = build_partition(pool["sample_id"].to_numpy(), pool["label"].to_numpy(),
-                                    PartitionConfig(num_clients=k, alpha=0.5, seed=1, min_samples=5), f"bench{k}")
+                                    partition_config(num_clients=k, alpha=0.5, seed=1, min_samples=5), f"bench{k}")
             data = FederatedData.build(blood, table, dev)
             for ex in a.executors:
                 try:

@@ -14,7 +14,7 @@ import torch
 
 from benchmarks.executors import load_blood
 from medpfl.algorithms import resolve_method
-from medpfl.config import EvalConfig, PartitionConfig, TrainConfig
+from medpfl.config import EvalConfig, TrainConfig, partition_config
 from medpfl.data.partition import build_partition
 from medpfl.fl.data import FederatedData
 from medpfl.fl.engine import Engine, resolve_device
@@ -32,7 +32,7 @@ def main() -> None:
     dev = resolve_device(a.device)
     blood = load_blood()
     pool = blood.samples[blood.samples["split"] == "train"]
-    table = build_partition(pool["sample_id"].to_numpy(), pool["label"].to_numpy(), PartitionConfig(), "dir0.1")
+    table = build_partition(pool["sample_id"].to_numpy(), pool["label"].to_numpy(), partition_config(), "dir0.1")
     data = FederatedData.build(blood, table, dev)
     print(f"device {dev}, {a.rounds} rounds")
     print(f"{'method':<8} {'precision':<9} {'avg global':>10} {'final global':>12} {'avg local':>9} {'train s/round':>13}")

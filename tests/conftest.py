@@ -45,13 +45,13 @@ def make_fed_data(processed, num_clients=5, alpha=0.5, seed=1, min_samples=20, s
     """server_data: ``partitions.<name>.server_data`` (e.g. ``{"count": 20}``), None for none; with
     the train pool the clients' partition is the same either way (the server's draw has its own
     stream)."""
-    from medpfl.config import PartitionConfig
+    from medpfl.config import partition_config
     from medpfl.data.partition import build_partition
     from medpfl.fl.data import FederatedData
 
     pool = processed.samples[processed.samples["split"] == "train"]
     val = processed.samples[processed.samples["split"] == "val"]
-    cfg = PartitionConfig(num_clients=num_clients, alpha=alpha, seed=seed, min_samples=min_samples,
+    cfg = partition_config(num_clients=num_clients, alpha=alpha, seed=seed, min_samples=min_samples,
                           server_data=server_data)
     table = build_partition(pool["sample_id"].to_numpy(), pool["label"].to_numpy(), cfg, "t",
                             val=(val["sample_id"].to_numpy(), val["label"].to_numpy()))

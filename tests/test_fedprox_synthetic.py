@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from medpfl.cli import main
-from medpfl.config import PartitionConfig, dataset_job, validate_params
+from medpfl.config import dataset_job, partition_config, validate_params
 from medpfl.data.fedprox_synthetic import SyntheticArgs, client_sizes, generate, write_fedprox_synthetic
 from medpfl.data.partition import PartitionError, build_partition
 from medpfl.data.preprocess import load_processed, preprocess
@@ -152,7 +152,7 @@ def test_download_preprocess_natural_partition(tmp_path):
     np.testing.assert_array_equal(data.images, g.features.astype(np.float32))
 
     pool = data.samples
-    cfg = PartitionConfig(scheme="natural", num_clients=8)
+    cfg = partition_config(scheme="natural", num_clients=8)
     table = build_partition(pool["sample_id"].to_numpy(), pool["label"].to_numpy(), cfg, "nat",
                             natural=(pool["natural_client"].to_numpy(), pool["natural_split"].to_numpy()))
     sizes = table.groupby("client_id").size().to_numpy()
@@ -169,7 +169,7 @@ def test_download_preprocess_natural_partition(tmp_path):
 
     with pytest.raises(PartitionError, match=r"partitions\.nat\.num_clients=5, but the data set has 8 natural"):
         build_partition(pool["sample_id"].to_numpy(), pool["label"].to_numpy(),
-                        PartitionConfig(scheme="natural", num_clients=5), "nat",
+                        partition_config(scheme="natural", num_clients=5), "nat",
                         natural=(pool["natural_client"].to_numpy(), pool["natural_split"].to_numpy()))
     with pytest.raises(PartitionError, match=r"partitions\.nat\.scheme=natural: the data set has no natural"):
         build_partition(pool["sample_id"].to_numpy(), pool["label"].to_numpy(), cfg, "nat")

@@ -30,11 +30,11 @@ def _run(processed, table, method, device, executor, precision="fp32"):
 
 @pytest.fixture(scope="module")
 def table(synthetic_processed):
-    from medpfl.config import PartitionConfig
+    from medpfl.config import partition_config
     from medpfl.data.partition import build_partition
 
     pool = synthetic_processed.samples[synthetic_processed.samples["split"] == "train"]
-    cfg = PartitionConfig(num_clients=5, alpha=0.5, seed=1, min_samples=20)
+    cfg = partition_config(num_clients=5, alpha=0.5, seed=1, min_samples=20)
     return build_partition(pool["sample_id"].to_numpy(), pool["label"].to_numpy(), cfg, "t")
 
 

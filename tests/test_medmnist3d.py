@@ -174,7 +174,7 @@ def test_organmnist3d_download_preprocess_partition_and_two_rounds(tmp_path, mon
     assert main(["preprocess", "--job", job, "--raw", str(raw), "--out", str(arrays), "--samples", str(samples)]) == 0
     data = load_processed(arrays, samples)
     assert data.images.shape == (77, 28, 28, 28) and data.class_names[0] == "liver"
-    pjob = json.dumps({"dataset": "organmnist3d", "name": "p", "config": params.partitions["p"].model_dump()})
+    pjob = json.dumps({"dataset": "organmnist3d", "name": "p", "config": params.partitions["p"].job_dict()})
     part = tmp_path / "part"
     assert main(["partition", "--job", pjob, "--arrays", str(arrays), "--samples", str(samples),
                  "--out-dir", str(part)]) == 0

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from medpfl.cli import main
-from medpfl.config import PartitionConfig, validate_params
+from medpfl.config import partition_config, validate_params
 from medpfl.data import sources
 from medpfl.data.partition import build_partition
 from medpfl.data.preprocess import load_processed, preprocess
@@ -54,7 +54,7 @@ def test_preprocess_synthetic_keras_layout_and_normalisation(tmp_path):
         np.testing.assert_array_equal(data.images[:300, 0], z["x_train"])
         np.testing.assert_array_equal(data.labels[300:], z["y_test"])
     pool = data.samples[data.samples["split"] == "train"]
-    cfg = PartitionConfig(scheme="per_client_dirichlet", num_clients=4, alpha=0.5, size_start=20, size_stop=40)
+    cfg = partition_config(scheme="per_client_dirichlet", num_clients=4, alpha=0.5, size_start=20, size_stop=40)
     part = build_partition(pool["sample_id"].to_numpy(), pool["label"].to_numpy(), cfg, "m")
     assert part["sample_id"].max() < 300  # only training images
     fd = FederatedData.build(data, part, torch.device("cpu"))
@@ -111,7 +111,7 @@ def test_real_mirror_file_through_the_stages(tmp_path, monkeypatch):
     assert data.samples.groupby("split").size().to_dict() == {"train": 60000, "test": 10000}
     assert np.bincount(data.labels[:60000]).tolist() == [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]
     pool = data.samples[data.samples["split"] == "train"]
-    cfg = PartitionConfig(scheme="per_client_dirichlet", num_clients=20, alpha=0.5, top_k=2)
+    cfg = partition_config(scheme="per_client_dirichlet", num_clients=20, alpha=0.5, top_k=2)
     part = build_partition(pool["sample_id"].to_numpy(), pool["label"].to_numpy(), cfg, "m")
     assert part.groupby("client_id").size().tolist() == np.linspace(1165, 3834, 20, dtype=int).tolist()
     assert part["sample_id"].max() < 60000

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 from pydantic import ValidationError
 
-from medpfl.config import LocalTestConfig, ParamsError, PartitionConfig, validate_params
+from medpfl.config import LocalTestConfig, ParamsError, PartitionConfig, partition_config, validate_params
 from medpfl.data.partition import (
     DirichletPartitioner,
     IIDPartitioner,
@@ -56,7 +56,7 @@ RULES = ["stratified", "random", "fedkper"]
 def _cfg(scheme: str, rule: str = "stratified", **kw) -> PartitionConfig:
     d = dict(SCHEME_CFGS[scheme])
     d.update(kw)
-    return PartitionConfig(**d, local_test={"rule": rule})
+    return partition_config(**d, local_test={"rule": rule})
 
 
 # ----------------------------------------------------------------------------- whole partition
@@ -231,7 +231,7 @@ def test_dirichlet_rejects_nonpositive_alpha(labels, alpha):
 @pytest.mark.parametrize("alpha", [0.0, -0.5])
 def test_config_rejects_nonpositive_alpha(alpha):
     with pytest.raises(ValidationError, match=r"alpha\n.*must be > 0"):
-        PartitionConfig(alpha=alpha)
+        partition_config(alpha=alpha)
     with pytest.raises(ParamsError) as e:
         validate_params({"partitions": {"dirx": {"alpha": alpha}}}, "p.yaml")
     msg = str(e.value)
@@ -268,18 +268,18 @@ def test_classes_per_client_exceeds_classes(labels):
 
 def test_pathological_config_requires_classes_per_client():
     with pytest.raises(ValidationError, match=r"classes_per_client\n.*is required"):
-        PartitionConfig(scheme="pathological")
+        partition_config(scheme="pathological")
 
 
 def test_pathological_with_too_few_slots_raises_partition_error(labels):
     # 3 clients x 2 classes cover only 6 of the 8 classes: some samples cannot be assigned.
-    cfg = PartitionConfig(scheme="pathological", num_clients=3, classes_per_client=2, min_samples=1)
+    cfg = partition_config(scheme="pathological", num_clients=3, classes_per_client=2, min_samples=1)
     with pytest.raises(PartitionError):
         build_partition(np.arange(len(labels)), labels, cfg, name="path")
 
 
 def test_pathological_with_too_few_slots_names_the_keys(labels):
-    cfg = PartitionConfig(scheme="pathological", num_clients=3, classes_per_client=2, min_samples=1)
+    cfg = partition_config(scheme="pathological", num_clients=3, classes_per_client=2, min_samples=1)
     with pytest.raises(PartitionError, match="classes_per_client") as e:
         build_partition(np.arange(len(labels)), labels, cfg, name="path")
     assert "internal error" not in str(e.value)
@@ -472,7 +472,7 @@ def blood_train_labels() -> np.ndarray:
 def test_matches_reimplemented_fedkper_bloodmnist_partition(blood_train_labels):
     y = blood_train_labels
     assert len(y) == 11959
-    cfg = PartitionConfig(num_clients=20, alpha=0.1, seed=1, local_test={"rule": "fedkper"})
+    cfg = partition_config(num_clients=20, alpha=0.1, seed=1, local_test={"rule": "fedkper"})
     table = build_partition(np.arange(len(y), dtype=np.int64), y, cfg, name="dir0.1")
     assert table.groupby("client_id").size().tolist() == AUTHORS_SIZES
     tr = table[table.local_split == "train"].groupby("client_id").size()

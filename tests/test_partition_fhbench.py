@@ -20,8 +20,8 @@ import torch
 from pydantic import ValidationError
 
 from medpfl.cli import main
-from medpfl.config import (LocalTestConfig, ParamsError, PartitionConfig, TrainConfig, TransformConfig, train_job,
-                           validate_params)
+from medpfl.config import (LocalTestConfig, ParamsError, PartitionConfig, TrainConfig, TransformConfig, partition_config,
+                           train_job, validate_params)
 from medpfl.data.partition import (PairwiseDirichletPartitioner, PartitionError, build_partition, client_class_counts,
                                    partition_pool, ratio_counts, split_local, split_ratios)
 from medpfl.data.schemas import PartitionTable, validate
@@ -146,13 +146,13 @@ def test_pairs_min_size_rule_gives_up_naming_the_key():
 
 def test_pairs_config():
     with pytest.raises(ValidationError, match="dirichlet_pairs needs at least 2 clients"):
-        PartitionConfig(scheme="dirichlet_pairs", num_clients=1)
+        partition_config(scheme="dirichlet_pairs", num_clients=1)
     with pytest.raises(ValidationError, match="must be > 0 for the dirichlet_pairs scheme"):
-        PartitionConfig(scheme="dirichlet_pairs", alpha=None)
+        partition_config(scheme="dirichlet_pairs", alpha=None)
     with pytest.raises(ValidationError, match="pair_sizes"):
-        PartitionConfig(scheme="dirichlet_pairs", pair_sizes="odd")
-    assert "pair_sizes" not in PartitionConfig(scheme="dirichlet_pairs").model_dump()
-    assert PartitionConfig(scheme="dirichlet_pairs", pair_sizes="drawn").model_dump()["pair_sizes"] == "drawn"
+        partition_config(scheme="dirichlet_pairs", pair_sizes="odd")
+    assert "pair_sizes" not in partition_config(scheme="dirichlet_pairs").job_dict()
+    assert partition_config(scheme="dirichlet_pairs", pair_sizes="drawn").job_dict()["pair_sizes"] == "drawn"
 
 
 # ----------------------------------------------------------------------------- the ratios rule
@@ -236,14 +236,14 @@ def _samples(n_train=300, n_val=60, n_test=140, seed=0) -> pd.DataFrame:
 
 def test_partition_pool_orders_train_test_val():
     s = _samples()
-    assert partition_pool(s, PartitionConfig()).equals(s[s["split"] == "train"])
-    pool = partition_pool(s, PartitionConfig(pool="all"))
+    assert partition_pool(s, partition_config()).equals(s[s["split"] == "train"])
+    pool = partition_pool(s, partition_config(pool="all"))
     assert pool["sample_id"].tolist() == list(range(300)) + list(range(360, 500)) + list(range(300, 360))
 
 
 def test_pool_all_and_fraction_draw_a_seeded_subset_first():
     s = _samples()
-    cfg = PartitionConfig(scheme="iid", num_clients=4, pool="all", data_fraction=0.3, seed=7,
+    cfg = partition_config(scheme="iid", num_clients=4, pool="all", data_fraction=0.3, seed=7,
                           local_test={"rule": "ratios", "ratios": [0.4, 0.3, 0.3]})
     pool = partition_pool(s, cfg)
     table = build_partition(pool["sample_id"].to_numpy(), pool["label"].to_numpy(), cfg, "fh")
@@ -258,9 +258,9 @@ def test_pool_all_and_fraction_draw_a_seeded_subset_first():
 def test_default_pool_and_fraction_change_nothing():
     s = _samples()
     pool = s[s["split"] == "train"]
-    plain = PartitionConfig(num_clients=4, alpha=0.5, min_samples=5)
-    explicit = PartitionConfig(num_clients=4, alpha=0.5, min_samples=5, pool="train", data_fraction=1.0)
-    assert plain.model_dump() == explicit.model_dump() and "pool" not in plain.model_dump()
+    plain = partition_config(num_clients=4, alpha=0.5, min_samples=5)
+    explicit = partition_config(num_clients=4, alpha=0.5, min_samples=5, pool="train", data_fraction=1.0)
+    assert plain.job_dict() == explicit.job_dict() and "pool" not in plain.job_dict()
     a = build_partition(pool["sample_id"].to_numpy(), pool["label"].to_numpy(), plain, "d")
     b = build_partition(pool["sample_id"].to_numpy(), pool["label"].to_numpy(), explicit, "d")
     assert a.equals(b) and "val" not in set(a["local_split"])
@@ -270,7 +270,7 @@ def test_default_pool_and_fraction_change_nothing():
 def test_pool_and_fraction_errors():
     with pytest.raises(ParamsError, match=r"partitions\.o: local_test\.rule: official_test .* pool: all"):
         validate_params({"partitions": [{"name": "o", "pool": "all", "local_test": {"rule": "official_test"}}]})
-    with pytest.raises(ParamsError, match=r"partitions\.n: pool and data_fraction do not apply to scheme: natural"):
+    with pytest.raises(ParamsError, match=r"partitions\.n\.data_fraction: not a key of the natural scheme"):
         validate_params({"partitions": [{"name": "n", "scheme": "natural", "data_fraction": 0.5}]})
     for bad in (0, 1.5):
         with pytest.raises(ParamsError, match=r"partitions\.f\.data_fraction"):
@@ -282,14 +282,14 @@ def test_pool_and_fraction_errors():
     with pytest.raises(PartitionError, match=r"partitions\.f\.data_fraction=0\.01 keeps 3 of the 300 pool samples, "
                                              r"fewer than num_clients=4"):
         build_partition(pool["sample_id"].to_numpy(), pool["label"].to_numpy(),
-                        PartitionConfig(scheme="iid", num_clients=4, data_fraction=0.01), "f")
+                        partition_config(scheme="iid", num_clients=4, data_fraction=0.01), "f")
 
 
 # ----------------------------------------------------------------------------- FederatedData
 
 
 def _fhbench_cfg(**kw) -> PartitionConfig:
-    return PartitionConfig(**{"scheme": "dirichlet_pairs", "num_clients": 4, "alpha": 0.5, "pool": "all",
+    return partition_config(**{"scheme": "dirichlet_pairs", "num_clients": 4, "alpha": 0.5, "pool": "all",
                               "data_fraction": 0.8, "seed": 2025,
                               "local_test": {"rule": "ratios", "ratios": [0.4, 0.3, 0.3]}, **kw})
 
@@ -432,7 +432,7 @@ def test_fhbench_partition_stage_and_a_training_job(tmp_path):
         "train": {"rounds": 1, "local_epochs": 1, "batch_size": 32, "participation": 1.0, "checkpoint_every": 0,
                   "executor": "sequential", "device": "cpu", "transform": {"channels": 3, "normalize": "imagenet"}},
     })
-    job = {"dataset": "gray", "name": "fh", "config": params.partitions["fh"].model_dump()}
+    job = {"dataset": "gray", "name": "fh", "config": params.partitions["fh"].job_dict()}
     out = d / "part"
     assert main(["partition", "--job", json.dumps(job), "--arrays", str(d / "arrays.npz"),
                  "--samples", str(d / "samples.parquet"), "--out-dir", str(out)]) == 0

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import torch
 
-from medpfl.config import PartitionConfig, validate_params
+from medpfl.config import partition_config, validate_params
 from medpfl.data.partition import PartitionError, build_partition, largest_remainder, split_official_test
 from medpfl.data.schemas import PartitionTable, SharedPartitionTable, validate
 
@@ -91,7 +91,7 @@ SCHEMES = {
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 def test_local_tests_partition_the_official_test_set_in_proportion(scheme, pool_and_test):
     pool_ids, pool_y, test_ids, test_y = pool_and_test
-    cfg = PartitionConfig(**SCHEMES[scheme], seed=2, local_test={"rule": "official_test"})
+    cfg = partition_config(**SCHEMES[scheme], seed=2, local_test={"rule": "official_test"})
     table = build_partition(pool_ids, pool_y, cfg, "o", official_test=(test_ids, test_y))
     validate(PartitionTable, table, "t")  # sample ids unique over both splits
     train, test = table[table["local_split"] == "train"], table[table["local_split"] == "test"]
@@ -111,7 +111,7 @@ def test_local_tests_partition_the_official_test_set_in_proportion(scheme, pool_
 
 def test_same_seed_same_table(pool_and_test):
     pool_ids, pool_y, test_ids, test_y = pool_and_test
-    cfg = PartitionConfig(**SCHEMES["dirichlet"], seed=2, local_test={"rule": "official_test"})
+    cfg = partition_config(**SCHEMES["dirichlet"], seed=2, local_test={"rule": "official_test"})
     a = build_partition(pool_ids, pool_y, cfg, "o", official_test=(test_ids, test_y))
     pd.testing.assert_frame_equal(a, build_partition(pool_ids, pool_y, cfg, "o", official_test=(test_ids, test_y)))
     c = build_partition(pool_ids, pool_y, cfg.model_copy(update={"seed": 3}), "o", official_test=(test_ids, test_y))
@@ -120,7 +120,7 @@ def test_same_seed_same_table(pool_and_test):
 
 def test_overlapping_clients_still_get_disjoint_local_tests(pool_and_test):
     pool_ids, pool_y, test_ids, test_y = pool_and_test
-    cfg = PartitionConfig(scheme="per_client_dirichlet", num_clients=4, alpha=0.5, size_start=100, size_stop=300,
+    cfg = partition_config(scheme="per_client_dirichlet", num_clients=4, alpha=0.5, size_start=100, size_stop=300,
                           local_test={"rule": "official_test"})
     table = build_partition(pool_ids, pool_y, cfg, "o", official_test=(test_ids, test_y))
     validate(SharedPartitionTable, table, "t")
@@ -130,7 +130,7 @@ def test_overlapping_clients_still_get_disjoint_local_tests(pool_and_test):
 
 def test_no_official_test_split_names_the_key(pool_and_test):
     pool_ids, pool_y, _, _ = pool_and_test
-    cfg = PartitionConfig(**SCHEMES["iid"], local_test={"rule": "official_test"})
+    cfg = partition_config(**SCHEMES["iid"], local_test={"rule": "official_test"})
     for official in (None, (np.array([], dtype=np.int64), np.array([], dtype=np.int64))):
         with pytest.raises(PartitionError, match=r"partitions\.o\.local_test\.rule='official_test' .* has none"):
             build_partition(pool_ids, pool_y, cfg, "o", official_test=official)
@@ -166,7 +166,7 @@ def test_a_training_job_scores_local_test_on_test_split_images(tmp_path):
     data = load_processed(tmp_path / "arrays.npz", tmp_path / "samples.parquet")
     pool = data.samples[data.samples["split"] == "train"]
     test = data.samples[data.samples["split"] == "test"]
-    cfg = PartitionConfig(num_clients=4, alpha=1.0, min_samples=10, seed=1, local_test={"rule": "official_test"})
+    cfg = partition_config(num_clients=4, alpha=1.0, min_samples=10, seed=1, local_test={"rule": "official_test"})
     table = build_partition(pool["sample_id"].to_numpy(), pool["label"].to_numpy(), cfg, "p",
                             official_test=(test["sample_id"].to_numpy(), test["label"].to_numpy()))
     write_parquet(tmp_path / "partition.parquet", table)

@@ -15,7 +15,7 @@ import torch
 from pydantic import ValidationError
 
 from medpfl.cli import main
-from medpfl.config import PartitionConfig, validate_params
+from medpfl.config import PartitionConfig, partition_config, validate_params
 from medpfl.data.partition import PartitionError, PerClientDirichletPartitioner, build_partition
 from medpfl.data.schemas import PartitionTable, SharedPartitionTable, TableError, validate
 
@@ -38,7 +38,7 @@ def pool_ids(labels) -> np.ndarray:
 def _cfg(**kw) -> PartitionConfig:
     d = dict(scheme="per_client_dirichlet", num_clients=12, alpha=0.5, size_start=100, size_stop=377, seed=4)
     d.update(kw)
-    return PartitionConfig(**d)
+    return partition_config(**d)
 
 
 def _counts(table: pd.DataFrame, cid: int) -> np.ndarray:
@@ -49,13 +49,13 @@ def _counts(table: pd.DataFrame, cid: int) -> np.ndarray:
 
 
 def test_defaults_are_the_papers_sizes_and_ordered_75_25_split():
-    cfg = PartitionConfig(scheme="per_client_dirichlet", num_clients=20, alpha=0.05)
+    cfg = partition_config(scheme="per_client_dirichlet", num_clients=20, alpha=0.05)
     assert (cfg.size_start, cfg.size_stop, cfg.top_k, cfg.clustered) == (1165, 3834, None, False)
     assert (cfg.local_test.rule, cfg.local_test.fraction) == ("ordered", 0.25)
     part = PerClientDirichletPartitioner(20, 0.05)
     np.testing.assert_array_equal(part.sizes(), np.linspace(1165, 3834, 20, dtype=int))
     # an explicit local_test wins over the scheme's default
-    cfg = PartitionConfig(scheme="per_client_dirichlet", num_clients=20, alpha=0.05, local_test={"rule": "random"})
+    cfg = partition_config(scheme="per_client_dirichlet", num_clients=20, alpha=0.05, local_test={"rule": "random"})
     assert cfg.local_test.rule == "random"
 
 
@@ -170,7 +170,7 @@ def test_overlap_still_rejected_for_the_disjoint_schemes():
 
 
 def test_dirichlet_scheme_stays_disjoint(labels, pool_ids):
-    cfg = PartitionConfig(scheme="dirichlet", num_clients=12, alpha=0.05, min_samples=5, seed=4)
+    cfg = partition_config(scheme="dirichlet", num_clients=12, alpha=0.05, min_samples=5, seed=4)
     table = build_partition(pool_ids, labels, cfg, "d")
     assert table["sample_id"].is_unique and len(table) == len(pool_ids)
 

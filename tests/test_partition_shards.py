@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 from pydantic import ValidationError
 
-from medpfl.config import ParamsError, PartitionConfig, validate_params
+from medpfl.config import ParamsError, PartitionConfig, partition_config, partition_from_job, validate_params
 from medpfl.data.partition import PartitionError, ShardsPartitioner, build_partition
 from medpfl.data.schemas import PartitionTable, validate
 
@@ -34,7 +34,7 @@ def _parts(labels, k=10, spc=2, seed=3, min_samples=1):
 
 
 def _cfg(**kw) -> PartitionConfig:
-    return PartitionConfig(**{"scheme": "shards", "num_clients": 10, "shards_per_client": 2, "seed": 3,
+    return partition_config(**{"scheme": "shards", "num_clients": 10, "shards_per_client": 2, "seed": 3,
                               "min_samples": 1, **kw})
 
 
@@ -115,19 +115,19 @@ def test_table_with_each_local_rule(labels, pool_ids, rule):
 
 def test_config_requires_shards_per_client_and_validates_it():
     with pytest.raises(ValidationError, match=r"shards_per_client\n.*is required for the shards scheme"):
-        PartitionConfig(scheme="shards")
+        partition_config(scheme="shards")
     with pytest.raises(ValidationError, match=r"shards_per_client\n.*greater than or equal to 1"):
-        PartitionConfig(scheme="shards", shards_per_client=0)
+        partition_config(scheme="shards", shards_per_client=0)
     with pytest.raises(ParamsError, match=r"partitions\.sh\.shards_per_client: is required"):
         validate_params({"partitions": [{"name": "sh", "scheme": "shards"}]})
 
 
 def test_config_dump_leaves_out_an_unset_shards_per_client():
     """Partitions of the other schemes keep the job description (and client_stats.json) they had."""
-    assert "shards_per_client" not in PartitionConfig().model_dump()
-    cfg = PartitionConfig(scheme="shards", shards_per_client=3)
-    assert cfg.model_dump()["shards_per_client"] == 3
-    assert PartitionConfig.model_validate(cfg.model_dump()) == cfg
+    assert "shards_per_client" not in partition_config().job_dict()
+    cfg = partition_config(scheme="shards", shards_per_client=3)
+    assert cfg.job_dict()["shards_per_client"] == 3
+    assert partition_config(cfg.model_dump()) == cfg == partition_from_job(cfg.job_dict())
 
 
 def test_more_shards_than_samples_names_the_keys(labels):

@@ -33,7 +33,7 @@ def study(tmp_path_factory):
         "study": STUDY,
         "data": {"datasets": ["synth"], "custom": {"synth": synth}},
         "partitions": {"pairs": {"scheme": "dirichlet_pairs", "num_clients": 4, "alpha": 0.5, "pool": "all",
-                                 "data_fraction": 0.8, "min_samples": 5, "seed": 2025,
+                                 "data_fraction": 0.8, "seed": 2025,
                                  "local_test": {"rule": "ratios", "ratios": [0.4, 0.3, 0.3]}}},
         "methods": METHODS,
         "method_params": {"fedavg-full": {"algorithm": "fedavg", "train": {"model": "vit", "model_args": TINY_VIT}}},

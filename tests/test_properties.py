@@ -106,8 +106,9 @@ def test_generated_partitions_cover_every_sample_or_name_the_key():
            fraction=st.floats(0.01, 0.9), rule=st.sampled_from(["stratified", "random", "fedkper"]),
            seed=st.integers(0, 99))
     def check(scheme, num_clients, alpha, min_samples, cpc, fraction, rule, seed):
-        cfg_data = {"scheme": scheme, "num_clients": num_clients, "alpha": alpha, "min_samples": min_samples,
-                    "classes_per_client": cpc, "seed": seed, "max_draws": 20,
+        own = {"dirichlet": {"alpha": alpha, "max_draws": 20}, "iid": {},  # each scheme takes its own keys only
+               "pathological": {"classes_per_client": cpc}}[scheme]
+        cfg_data = {"scheme": scheme, "num_clients": num_clients, "min_samples": min_samples, "seed": seed, **own,
                     "local_test": {"fraction": fraction, "rule": rule}}
         try:
             params = validate_params({"partitions": [{"name": "gen", **cfg_data}]}, "generated.yaml")

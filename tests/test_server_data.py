@@ -10,14 +10,14 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from medpfl.config import ParamsError, PartitionConfig, validate_params
+from medpfl.config import ParamsError, partition_config, validate_params
 from medpfl.data.partition import PartitionError, build_partition, client_class_counts, partition_pool
 from medpfl.data.schemas import PartitionTable, SharedPartitionTable, TableError, validate
 from medpfl.fl.data import FederatedData
 
 
 def _build(processed, **cfg):
-    cfg = PartitionConfig(**{"num_clients": 4, "alpha": 0.5, "min_samples": 10, **cfg})
+    cfg = partition_config(**{"num_clients": 4, "alpha": 0.5, **cfg})
     pool = partition_pool(processed.samples, cfg)
     val = processed.samples[processed.samples["split"] == "val"]
     return build_partition(pool["sample_id"].to_numpy(), pool["label"].to_numpy(), cfg, "p",
@@ -61,26 +61,26 @@ def test_shared_scheme_keeps_the_server_out_of_every_client(synthetic_processed)
 
 def test_keys_are_validated_with_their_names(synthetic_processed):
     with pytest.raises(ValidationError, match="exactly one of fraction"):
-        PartitionConfig(server_data={"fraction": 0.5, "count": 3})
+        partition_config(server_data={"fraction": 0.5, "count": 3})
     with pytest.raises(ValidationError, match="exactly one of fraction"):
-        PartitionConfig(server_data={"source": "val"})
+        partition_config(server_data={"source": "val"})
     with pytest.raises(ValidationError, match="source"):
-        PartitionConfig(server_data={"source": "test", "count": 3})
+        partition_config(server_data={"source": "test", "count": 3})
     with pytest.raises(ParamsError, match=r"partitions\.p\.server_data\.fraction"):
         validate_params({"partitions": [{"name": "p", "server_data": {"fraction": 1.5}}]})
     with pytest.raises(PartitionError, match=r"partitions\.p\.server_data\.count=41 exceeds the 40"):
         _build(synthetic_processed, server_data={"count": 41})
     with pytest.raises(PartitionError, match=r"partitions\.p\.server_data\.fraction=0.01 keeps no sample"):
         _build(synthetic_processed, server_data={"fraction": 0.01})
-    cfg = PartitionConfig(num_clients=4, alpha=0.5, server_data={"count": 3})
+    cfg = partition_config(num_clients=4, alpha=0.5, server_data={"count": 3})
     pool = partition_pool(synthetic_processed.samples, cfg)
     with pytest.raises(PartitionError, match=r"partitions\.p\.server_data: source 'val', but this data set has no"):
         build_partition(pool["sample_id"].to_numpy(), pool["label"].to_numpy(), cfg, "p")
 
 
 def test_a_partition_without_server_data_dumps_as_before():
-    assert "server_data" not in PartitionConfig().model_dump()
-    assert PartitionConfig(server_data={"count": 3}).model_dump()["server_data"] == {"source": "val",
+    assert "server_data" not in partition_config().job_dict()
+    assert partition_config(server_data={"count": 3}).job_dict()["server_data"] == {"source": "val",
                                                                                       "fraction": None, "count": 3}
 
 
@@ -125,7 +125,7 @@ def test_partition_stage_writes_server_rows_and_stats(tmp_path, capsys):
     write_synthetic_npz(tmp_path / "s.npz", 4, 3, 28, (200, 30, 40), seed=3)
     preprocess(tmp_path / "s.npz", tmp_path / "a.npz", tmp_path / "s.parquet", 4, 3)
     for name, extra in (("plain", {}), ("srv", {"server_data": {"source": "val", "count": 12}})):
-        cfg = PartitionConfig(num_clients=3, alpha=1.0, **extra).model_dump()
+        cfg = partition_config(num_clients=3, alpha=1.0, **extra).job_dict()
         job = json.dumps({"dataset": "s", "name": name, "config": cfg})
         assert main(["partition", "--job", job, "--arrays", str(tmp_path / "a.npz"), "--samples",
                      str(tmp_path / "s.parquet"), "--out-dir", str(tmp_path / name)]) == 0

@@ -46,13 +46,13 @@ def cmd_preprocess(a) -> None:
 
 
 def cmd_partition(a) -> None:
-    from medpfl.config import PartitionConfig
+    from medpfl.config import partition_from_job
     from medpfl.data.partition import build_partition, client_class_counts, partition_pool, server_class_counts
     from medpfl.data.preprocess import load_processed
     from medpfl.io import write_json, write_parquet
 
     job = _job(a.job)
-    cfg = PartitionConfig.model_validate(job["config"])
+    cfg = partition_from_job(job["config"])  # the flat job description (PartitionConfigBase.job_dict)
     data = load_processed(a.arrays, a.samples)
     pool = partition_pool(data.samples, cfg)  # the official train split, or every split with pool: all
     natural = None

@@ -14,10 +14,11 @@ import math
 import re
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError, field_validator,
+                      model_serializer, model_validator)
 
 NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$"
 
@@ -137,62 +138,73 @@ class ServerDataConfig(_Strict):
         return self
 
 
-class PartitionConfig(_Strict):
-    """One named partition of a data set's official train split over ``num_clients`` clients.
+class PartitionConfigBase(_Strict):
+    """The keys every partition scheme takes; one subclass per scheme (:data:`PartitionConfig`).
 
-    scheme:
-      ``dirichlet``: per class, proportions over clients drawn from Dir(alpha * 1_K)
-      (Hsu et al. 2019; NIID-Bench "hetero-dir"). ``self_balancing`` stops giving samples to
-      a client that already holds >= N/K samples (the FedKPer/MOON variant); the draw is
-      repeated until every client holds at least ``min_samples``.
-      ``iid``: a uniform random split into equal parts.
-      ``pathological``: every client holds exactly ``classes_per_client`` classes, dealt
-      round-robin over a shuffled class order; each class is split evenly among its holders
-      (the PFPS-LWC spec's OPTION for its pathological partition, B.4).
-      ``shards``: McMahan et al. 2017's shards (the PFPS-LWC spec's READING, B.4): the pool,
-      sorted by label (random order within a class), is cut into ``num_clients *
-      shards_per_client`` shards and each client gets ``shards_per_client`` random ones, so it
-      holds at most ``shards_per_client`` classes. Shards never straddle two classes: each
-      class is cut into its own shards (sizes differing by at most one), the shard counts per
-      class as equal in shard size as possible (one shard per class at least); when every
-      class size is a multiple of the shard size (CIFAR-10, 10 clients x 5) this is exactly
-      cutting the sorted pool into equal shards. Needs ``num_classes <= num_clients *
-      shards_per_client <= pool size``.
-      ``per_client_dirichlet``: the pFedKD-WCL partition (Hsu et al. 2019 per-client Dirichlet;
-      HengruiH/pFedKD ``utils/MNIST_dirichlet.py``): client k holds
-      ``linspace(size_start, size_stop, K, dtype=int)[k]`` samples whose class proportions are
-      its own draw ``q_k ~ Dir(alpha * 1_C)`` (optionally cut to its ``top_k`` largest),
-      sampled per client from the whole pool, so **clients may share samples**; ``clustered``
-      is the code's other variant (``load_mnist_clustered``: ``n_clusters`` groups of clients,
-      each group drawing from one random pair of classes). Its local split defaults to
-      ``ordered`` with fraction 0.25 (the code's first 75 % train). ``min_samples``,
-      ``self_balancing`` and ``max_draws`` do not apply.
-      ``natural``: the data set's own clients and local splits (a generated federated data set
-      such as ``synthetic_0.5_0.5``); ``num_clients`` must equal the data set's client count,
-      and ``local_test`` does not apply.
-      ``dirichlet_pairs``: FHBench's partitioner (``build_non_iid_by_dirichlet`` of
-      epfml/quasi-global-momentum as used in microsoft/PersonalizedFL and wph6/FHBench;
-      ``../shared/docs/methods-pfedkdwcl-epfl.md`` B.4, C.14). **Not** the usual global
-      per-class Dir(alpha * 1_K): the pool is shuffled and cut into ``ceil(K/2)`` contiguous
-      chunks of ``int(2/K * N)`` samples (the last chunk takes the rest); chunk j belongs to
-      clients 2j and 2j+1 (with an odd K the last chunk to the last client alone). Within a
-      chunk, per class, proportions ``Dir(alpha, alpha)`` split the class between the pair,
-      zeroing a client that already holds >= chunk/2 samples; the draw of the whole chunk is
-      repeated until both hold at least ``int(0.5 * chunk / 2)`` (at most ``max_draws``
-      times). Label skew is therefore between the two clients of a pair, each client's data
-      comes from its pair's chunk only, and every pair has about the same class mix (that of
-      the pool). ``pair_sizes: equal`` (default, the code) then concatenates the drawn client
-      lists (each grouped by class) and cuts them into K equal blocks of ``int(N / K)``
-      samples, so every client holds exactly ``int(N / K)`` samples and the last ``N - K *
-      int(N / K)`` (< K) samples are left out; a block may straddle two drawn lists (the
-      second client of a pair takes the first's highest classes beyond ``int(N / K)``), and
-      where ``int(2N/K) != 2 int(N/K)`` the blocks drift from the chunks by one sample per
-      pair. ``pair_sizes: drawn`` keeps the drawn lists as the clients (sizes between about
-      0.5 and 1.5 N/K; no sample left out). Each client's samples are listed in pool order
-      (the code re-enumerates a client's samples in data-set order before its local split).
-      ``min_samples`` and ``self_balancing`` do not apply (the balance rule above always
-      applies). Usually with ``local_test: {rule: ratios, ratios: [0.4, 0.3, 0.3]}``,
-      ``pool: all`` and ``data_fraction`` (FHBench's OrganA/C/S: 0.2).
+    A ``partitions`` entry is validated by the class of its ``scheme`` (default ``dirichlet``),
+    and a key that class does not declare is rejected, the error naming the scheme and the key
+    (:func:`format_validation_error`). The partitioner of each scheme is in
+    :mod:`medpfl.data.partition` (``PARTITIONERS``); this module holds the schemas only.
+
+    server_data:
+      null (default): none. ``{source: val, fraction: f}`` or ``{source: val, count: m}``:
+      unlabeled server data (FedBE's distillation set) held out of the official val split
+      (:class:`ServerDataConfig`); with ``pool: all`` they are removed from the pool first. A
+      data set without a val split stops the partition naming the key.
+
+    :meth:`job_dict` is the partition's job description (the partition rule's ``params``):
+    the flat mapping the single ``PartitionConfig`` model dumped before the schemes had their
+    own classes, kept byte for byte so that Snakemake does not re-run existing partitions (and,
+    by modification time, every training job after them).
+    """
+
+    scheme: str
+    num_clients: int = Field(20, ge=1, description="number of clients K (default 20: the FedKPer paper's "
+                                                   "BloodMNIST setting)")
+    seed: int = Field(1, description="partition seed, fixed across training seeds (default 1: the FedKPer authors' "
+                                     "code builds its partition once, with seed 1; fedkper-protocol.md §2)")
+    datasets: list[str] | None = Field(None, description="the data sets this partition applies to (those of "
+                                                         "data.datasets among them); null (default) = all")
+    server_data: ServerDataConfig | None = Field(None, description="unlabeled server data held out of the val "
+                                                                   "split (FedBE); null (default) = none")
+
+    @classmethod
+    def scheme_keys(cls) -> list[str]:
+        """The keys a ``partitions`` entry of this scheme takes besides ``name`` and ``scheme``,
+        in declaration order (``alpha`` of the schemes that only tolerate ``alpha: null`` left out)."""
+        return [k for k in cls.model_fields if k != "scheme" and not (k == "alpha" and issubclass(cls, _NoAlpha))]
+
+    def job_dict(self) -> dict[str, Any]:
+        """The partition's job description: the keys and values the flat ``PartitionConfig``
+        (one model for every scheme, before this module had one class per scheme) dumped, so
+        that the partition rule's description (:func:`partition_job`), ``client_stats.json``
+        (which copies it) and the report rule's study description (:meth:`Params.study_dict`)
+        stay byte-identical for every config that was valid then, and Snakemake re-runs nothing.
+
+        Keys in :data:`LEGACY_JOB_KEYS` order: the scheme's own values, and for a key the scheme
+        does not take, the flat model's default (``alpha`` stays null where the config wrote
+        ``alpha: null``, the one foreign key still accepted). Keys added after partitions
+        existed (:data:`LATER_JOB_KEYS`) are left out at their default, as the flat model's
+        serializer did; a key added to a scheme from now on is written only when it is not at
+        its default, so that adding it re-runs nothing. Read back by
+        :func:`partition_from_job`."""
+        own = self.model_dump()
+        out: dict[str, Any] = {}
+        for key, default in LEGACY_JOB_KEYS.items():
+            value = own[key] if key in own else default
+            if key in LATER_JOB_KEYS and value == LATER_JOB_KEYS[key]:
+                continue
+            out[key] = value
+        for key, value in own.items():
+            if key not in out and key not in LEGACY_JOB_KEYS:
+                default = type(self).model_fields[key].get_default(call_default_factory=True)
+                if value != (default.model_dump() if isinstance(default, BaseModel) else default):
+                    out[key] = value
+        return out
+
+
+class DrawnPartitionConfig(PartitionConfigBase):
+    """The keys of every scheme that draws its clients from a pool (all but ``natural``).
 
     pool:
       ``train`` (default): the official train split is partitioned; the official test split is
@@ -200,8 +212,8 @@ class PartitionConfig(_Strict):
       order (the FHBench code's concatenation, ``ViT_Lora/datautil/prepare_data.py``) and
       partitioned (FHBench; FedMIC's reading, ``methods-fedmic-pfpslwc.md`` A.10): every
       sample may go to a client, so there is **no global test set** (the training stage scores
-      local splits only; global-test columns read "not applicable"). Not with ``scheme:
-      natural`` or ``local_test.rule: official_test``.
+      local splits only; global-test columns read "not applicable"). Not with
+      ``local_test.rule: official_test``.
 
     data_fraction:
       in (0, 1]; below 1, a random ``floor(data_fraction * N)`` of the pool (after ``pool``)
@@ -210,80 +222,187 @@ class PartitionConfig(_Strict):
       OrganA/C/S), and only it is partitioned. The partition draws continue from the same
       RandomState. 1.0 (default) draws nothing.
 
-    server_data:
-      null (default): none. ``{source: val, fraction: f}`` or ``{source: val, count: m}``:
-      unlabeled server data (FedBE's distillation set) held out of the official val split
-      (:class:`ServerDataConfig`); with ``pool: all`` they are removed from the pool first. A
-      data set without a val split stops the partition naming the key.
+    local_test: each client's split into local train and test (and val): :class:`LocalTestConfig`.
     """
 
-    scheme: Literal["dirichlet", "iid", "pathological", "shards", "per_client_dirichlet", "natural",
-                    "dirichlet_pairs"] = "dirichlet"
-    num_clients: int = Field(20, ge=1)
-    alpha: float | None = Field(0.1, description="Dirichlet concentration; > 0", validate_default=True)
-    self_balancing: bool = True
-    min_samples: int = Field(10, ge=1)
-    max_draws: int = Field(1000, ge=1)
-    classes_per_client: int | None = Field(None, ge=1, validate_default=True)
-    shards_per_client: int | None = Field(None, ge=1, validate_default=True,
-                                          description="shards: shards per client (the client holds at most this "
-                                                      "many classes)")
-    size_start: int = Field(1165, ge=1, description="per_client_dirichlet: size of client 0 (linspace start; "
-                                                   "HengruiH/pFedKD MNIST_dirichlet.py)")
-    size_stop: int = Field(3834, ge=1, description="per_client_dirichlet: size of client K-1 (linspace stop)")
-    top_k: int | None = Field(None, ge=1, description="per_client_dirichlet: keep each client's top_k largest "
-                                                     "proportions and renormalise; null = no truncation")
-    clustered: bool = Field(False, description="per_client_dirichlet: the code's load_mnist_clustered variant")
-    n_clusters: int | None = Field(None, ge=1, description="per_client_dirichlet with clustered: number of "
-                                                          "client groups, each sharing one random pair of classes")
-    pair_sizes: Literal["equal", "drawn"] = Field("equal", description="dirichlet_pairs: equal (the code: K equal "
-                                                                       "blocks of int(N/K)) or drawn (the "
-                                                                       "Dirichlet lists as drawn)")
-    pool: Literal["train", "all"] = Field("train", description="train: the official train split (the official "
-                                                               "test split is the global test set); all: train, "
-                                                               "test and val merged (no global test set)")
+    pool: Literal["train", "all"] = Field("train", description="train (default, as the FedKPer paper): the official "
+                                                               "train split, the official test split being the "
+                                                               "global test set; all: train, test and val merged "
+                                                               "(FHBench, FedMIC; no global test set)")
     data_fraction: float = Field(1.0, gt=0.0, le=1.0, description="share of the pool drawn (seeded) before "
-                                                                  "partitioning; 1 = all")
-    seed: int = 1
-    local_test: LocalTestConfig = LocalTestConfig()
-    datasets: list[str] | None = Field(None, description="the data sets this partition applies to (those of "
-                                                         "data.datasets among them); null = all")
-    server_data: ServerDataConfig | None = Field(None, description="unlabeled server data held out of the val "
-                                                                   "split (FedBE); null = none")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _scheme_defaults(cls, data: Any) -> Any:
-        """``per_client_dirichlet`` without an explicit ``local_test`` gets the pFedKD-WCL code's
-        split: the first 75 % of the client's shuffled samples train, the rest test."""
-        if isinstance(data, dict) and data.get("scheme") == "per_client_dirichlet" and "local_test" not in data:
-            data = {**data, "local_test": {"fraction": 0.25, "rule": "ordered"}}
-        return data
-
-    @field_validator("alpha")
-    @classmethod
-    def _alpha(cls, v: float | None, info) -> float | None:
-        scheme = info.data.get("scheme", "dirichlet")
-        if scheme in ("dirichlet", "per_client_dirichlet", "dirichlet_pairs") and (v is None or not v > 0):
-            raise ValueError(f"must be > 0 for the {scheme} scheme, got {v}")
-        return v
+                                                                  "partitioning (default 1: all; FHBench's "
+                                                                  "datapercent: 0.2)")
+    local_test: LocalTestConfig = Field(LocalTestConfig(), description="the local split (default: rule stratified, "
+                                                                       "ours; fraction 0.2, the FedKPer authors' "
+                                                                       "create_local(amount=0.20))")
 
     @model_validator(mode="after")
-    def _pool(self) -> "PartitionConfig":
-        if self.scheme == "natural" and (self.pool != "train" or self.data_fraction != 1.0):
-            raise ValueError("pool and data_fraction do not apply to scheme: natural (the data set's own clients "
-                             "and splits are used as they are); remove them")
+    def _pool(self) -> "DrawnPartitionConfig":
         if self.pool == "all" and self.local_test.rule == "official_test":
             raise ValueError("local_test.rule: official_test draws local test splits from the official test split, "
                              "which pool: all merges into the partitioned pool; choose one of them")
-        if self.scheme == "dirichlet_pairs" and self.num_clients < 2:
-            raise ValueError(f"num_clients={self.num_clients}: dirichlet_pairs needs at least 2 clients (one pair)")
         return self
 
+
+class _DirichletAlpha(_Strict):
+    """The ``alpha`` checks of the schemes with a Dirichlet draw (each declares the field with
+    its own default and source): null (before type coercion) and anything not > 0, NaN
+    included (after it), are rejected naming the scheme, as the flat model did."""
+
+    @field_validator("alpha", mode="before", check_fields=False)
+    @classmethod
+    def _alpha_not_null(cls, v: Any) -> Any:
+        if v is None:
+            raise ValueError(f"must be > 0 for the {cls.model_fields['scheme'].default} scheme, got None")
+        return v
+
+    @field_validator("alpha", check_fields=False)
+    @classmethod
+    def _alpha_positive(cls, v: float) -> float:
+        if not v > 0:
+            raise ValueError(f"must be > 0 for the {cls.model_fields['scheme'].default} scheme, got {v}")
+        return v
+
+
+class _NoAlpha(_Strict):
+    """``alpha: null`` on a scheme without a Dirichlet draw (iid, pathological, shards,
+    natural): accepted and ignored, because configs written while one flat model served every
+    scheme set it to say "not applicable" (``config/pfedkd-synthetic.yaml``); the job
+    description keeps the null they gave (:meth:`PartitionConfigBase.job_dict`). Any other
+    value is rejected: the scheme draws no Dirichlet proportions."""
+
+    alpha: None = Field(None, description="not used by this scheme; only null is accepted (configs written "
+                                          "before the schemes had their own keys)")
+
+    @field_validator("alpha", mode="before")
+    @classmethod
+    def _alpha_null(cls, v: Any) -> None:
+        if v is not None:
+            scheme = cls.model_fields["scheme"].default
+            raise ValueError(f"the {scheme} scheme takes no alpha (it draws no Dirichlet proportions); remove "
+                             "the key (alpha: null is accepted, as written before the schemes had their own keys)")
+        return v
+
+    @model_serializer(mode="wrap")
+    def _alpha_if_given(self, handler):
+        """``alpha`` is dumped only when the config gave it (as null), so a dump validates back
+        to the same config and the same :meth:`job_dict`."""
+        out = handler(self)
+        if isinstance(out, dict) and "alpha" not in self.model_fields_set:
+            out.pop("alpha", None)
+        return out
+
+
+class DirichletPartitionConfig(DrawnPartitionConfig, _DirichletAlpha):
+    """``scheme: dirichlet`` (the default): per class, proportions over clients drawn from
+    Dir(alpha * 1_K) (Hsu et al. 2019; NIID-Bench "hetero-dir"; the FedKPer authors' code,
+    ``../shared/docs/fedkper-protocol.md`` §2). ``self_balancing`` stops giving samples to a
+    client that already holds >= N/K samples (the FedKPer/MOON variant); the draw is repeated
+    until every client holds at least ``min_samples``, at most ``max_draws`` times.
+    Partitioner: :class:`medpfl.data.partition.DirichletPartitioner`."""
+
+    scheme: Literal["dirichlet"] = "dirichlet"
+    alpha: float = Field(0.1, validate_default=True,
+                         description="Dirichlet concentration, > 0; smaller = more label skew (default 0.1: the "
+                                     "FedKPer paper's Dir(0.1))")
+    self_balancing: bool = Field(True, description="zero the share of a client already holding >= N/K samples "
+                                                   "(default true: the FedKPer and MOON code)")
+    min_samples: int = Field(10, ge=1, description="redraw until every client holds at least this many (default "
+                                                   "10: the FedKPer/MOON code's min_require_size)")
+    max_draws: int = Field(1000, ge=1, description="redraws before the partition stops with an error (default "
+                                                   "1000: ours; the FedKPer code loops until it succeeds)")
+
+
+class IIDPartitionConfig(DrawnPartitionConfig, _NoAlpha):
+    """``scheme: iid``: a uniform random split of the pool into K parts whose sizes differ by
+    at most one. Partitioner: :class:`medpfl.data.partition.IIDPartitioner`."""
+
+    scheme: Literal["iid"] = "iid"
+    min_samples: int = Field(10, ge=1, description="the partition stops when a client would hold fewer (default "
+                                                   "10: the dirichlet scheme's, the FedKPer/MOON code's "
+                                                   "min_require_size)")
+
+
+class PathologicalPartitionConfig(DrawnPartitionConfig, _NoAlpha):
+    """``scheme: pathological``: every client holds exactly ``classes_per_client`` classes,
+    dealt round-robin over a shuffled class order; each class is split evenly among its
+    holders (the PFPS-LWC spec's OPTION for its pathological partition,
+    ``../shared/docs/methods-fedmic-pfpslwc.md`` B.4). Partitioner:
+    :class:`medpfl.data.partition.PathologicalPartitioner`."""
+
+    scheme: Literal["pathological"] = "pathological"
+    classes_per_client: int | None = Field(None, ge=1, validate_default=True,
+                                           description="classes per client (required; no default)")
+    min_samples: int = Field(10, ge=1, description="the partition stops when a client would hold fewer (default "
+                                                   "10: the dirichlet scheme's, the FedKPer/MOON code's "
+                                                   "min_require_size)")
+
+    @field_validator("classes_per_client")
+    @classmethod
+    def _cpc(cls, v: int | None) -> int | None:
+        if v is None:
+            raise ValueError("is required for the pathological scheme")
+        return v
+
+
+class ShardsPartitionConfig(DrawnPartitionConfig, _NoAlpha):
+    """``scheme: shards``: McMahan et al. 2017's shards (the PFPS-LWC spec's READING, B.4): the
+    pool, sorted by label (random order within a class), is cut into ``num_clients *
+    shards_per_client`` shards and each client gets ``shards_per_client`` random ones, so it
+    holds at most ``shards_per_client`` classes. Shards never straddle two classes: each class
+    is cut into its own shards (sizes differing by at most one), the shard counts per class as
+    equal in shard size as possible (one shard per class at least); when every class size is a
+    multiple of the shard size (CIFAR-10, 10 clients x 5) this is exactly cutting the sorted
+    pool into equal shards. Needs ``num_classes <= num_clients * shards_per_client <= pool
+    size``. Partitioner: :class:`medpfl.data.partition.ShardsPartitioner`."""
+
+    scheme: Literal["shards"] = "shards"
+    shards_per_client: int | None = Field(None, ge=1, validate_default=True,
+                                          description="shards per client, so the client holds at most this many "
+                                                      "classes (required; no default)")
+    min_samples: int = Field(10, ge=1, description="the partition stops when a client would hold fewer (default "
+                                                   "10: the dirichlet scheme's, the FedKPer/MOON code's "
+                                                   "min_require_size)")
+
+    @field_validator("shards_per_client")
+    @classmethod
+    def _spc(cls, v: int | None) -> int | None:
+        if v is None:
+            raise ValueError("is required for the shards scheme")
+        return v
+
+
+class PerClientDirichletPartitionConfig(DrawnPartitionConfig, _DirichletAlpha):
+    """``scheme: per_client_dirichlet``: the pFedKD-WCL partition (Hsu et al. 2019 per-client
+    Dirichlet; HengruiH/pFedKD ``utils/MNIST_dirichlet.py``): client k holds
+    ``linspace(size_start, size_stop, K, dtype=int)[k]`` samples whose class proportions are its
+    own draw ``q_k ~ Dir(alpha * 1_C)`` (optionally cut to its ``top_k`` largest), sampled per
+    client from the whole pool, so **clients may share samples**; ``clustered`` is the code's
+    other variant (``load_mnist_clustered``: ``n_clusters`` groups of clients, each group
+    drawing from one random pair of classes). Its local split defaults to ``ordered`` with
+    fraction 0.25 (the code's first 75 % train). Partitioner:
+    :class:`medpfl.data.partition.PerClientDirichletPartitioner`."""
+
+    scheme: Literal["per_client_dirichlet"] = "per_client_dirichlet"
+    alpha: float = Field(0.1, validate_default=True,
+                         description="concentration of each client's Dir(alpha * 1_C), > 0 (default 0.1, shared "
+                                     "with the dirichlet scheme; the pFedKD-WCL paper runs 0.5 and 0.05)")
+    size_start: int = Field(1165, ge=1, description="size of client 0 (linspace start; default 1165: HengruiH/pFedKD "
+                                                    "MNIST_dirichlet.py)")
+    size_stop: int = Field(3834, ge=1, description="size of client K-1 (linspace stop; default 3834: HengruiH/pFedKD "
+                                                   "MNIST_dirichlet.py)")
+    top_k: int | None = Field(None, ge=1, description="keep each client's top_k largest proportions and renormalise; "
+                                                      "null (default) = no truncation (the code's top-2 runs: 2)")
+    clustered: bool = Field(False, description="the code's load_mnist_clustered variant (default false: "
+                                               "MNIST_dirichlet.py)")
+    n_clusters: int | None = Field(None, ge=1, description="with clustered: number of client groups, each sharing "
+                                                           "one random pair of classes (required then; no default)")
+    local_test: LocalTestConfig = Field(LocalTestConfig(fraction=0.25, rule="ordered"),
+                                        description="the local split (default: ordered, fraction 0.25: the "
+                                                    "pFedKD-WCL code's split = int(0.75 * len(X)), first 75 % train)")
+
     @model_validator(mode="after")
-    def _per_client(self) -> "PartitionConfig":
-        if self.scheme != "per_client_dirichlet":
-            return self
+    def _per_client(self) -> "PerClientDirichletPartitionConfig":
         if self.size_stop < self.size_start:
             raise ValueError(f"size_stop={self.size_stop} is below size_start={self.size_start}; client sizes are "
                              "linspace(size_start, size_stop, num_clients)")
@@ -298,33 +417,153 @@ class PartitionConfig(_Strict):
                                  "set one of them")
         return self
 
-    @field_validator("classes_per_client")
-    @classmethod
-    def _cpc(cls, v: int | None, info) -> int | None:
-        if info.data.get("scheme") == "pathological" and v is None:
-            raise ValueError("is required for the pathological scheme")
-        return v
 
-    @field_validator("shards_per_client")
-    @classmethod
-    def _spc(cls, v: int | None, info) -> int | None:
-        if info.data.get("scheme") == "shards" and v is None:
-            raise ValueError("is required for the shards scheme")
-        return v
+class DirichletPairsPartitionConfig(DrawnPartitionConfig, _DirichletAlpha):
+    """``scheme: dirichlet_pairs``: FHBench's partitioner (``build_non_iid_by_dirichlet`` of
+    epfml/quasi-global-momentum as used in microsoft/PersonalizedFL and wph6/FHBench;
+    ``../shared/docs/methods-pfedkdwcl-epfl.md`` B.4, C.14). **Not** the usual global per-class
+    Dir(alpha * 1_K): the pool is shuffled and cut into ``ceil(K/2)`` contiguous chunks of
+    ``int(2/K * N)`` samples (the last chunk takes the rest); chunk j belongs to clients 2j and
+    2j+1 (with an odd K the last chunk to the last client alone). Within a chunk, per class,
+    proportions ``Dir(alpha, alpha)`` split the class between the pair, zeroing a client that
+    already holds >= chunk/2 samples; the draw of the whole chunk is repeated until both hold at
+    least ``int(0.5 * chunk / 2)`` (at most ``max_draws`` times). Label skew is therefore between
+    the two clients of a pair, each client's data comes from its pair's chunk only, and every
+    pair has about the same class mix (that of the pool). ``pair_sizes: equal`` (default, the
+    code) then concatenates the drawn client lists (each grouped by class) and cuts them into K
+    equal blocks of ``int(N / K)`` samples, so every client holds exactly ``int(N / K)`` samples
+    and the last ``N - K * int(N / K)`` (< K) samples are left out; a block may straddle two
+    drawn lists (the second client of a pair takes the first's highest classes beyond ``int(N /
+    K)``), and where ``int(2N/K) != 2 int(N/K)`` the blocks drift from the chunks by one sample
+    per pair. ``pair_sizes: drawn`` keeps the drawn lists as the clients (sizes between about
+    0.5 and 1.5 N/K; no sample left out). Each client's samples are listed in pool order (the
+    code re-enumerates a client's samples in data-set order before its local split). Usually
+    with ``local_test: {rule: ratios, ratios: [0.4, 0.3, 0.3]}``, ``pool: all`` and
+    ``data_fraction`` (FHBench's OrganA/C/S: 0.2). Partitioner:
+    :class:`medpfl.data.partition.PairwiseDirichletPartitioner`."""
 
-    @model_serializer(mode="wrap")
-    def _drop_later_defaults(self, handler):
-        """Keys added after partitions existed are not dumped at their default
-        (``shards_per_client`` unset, ``pair_sizes: equal``, ``pool: train``, ``data_fraction:
-        1``, no ``server_data``), so the job descriptions and ``client_stats.json`` of earlier partitions stay as they
-        were; a non-default value is dumped and re-runs the partition it applies to."""
-        out = handler(self)
-        if isinstance(out, dict):
-            for key, default in (("shards_per_client", None), ("pair_sizes", "equal"), ("pool", "train"),
-                                 ("data_fraction", 1.0), ("server_data", None)):
-                if key in out and out[key] == default:
-                    out.pop(key)
-        return out
+    scheme: Literal["dirichlet_pairs"] = "dirichlet_pairs"
+    alpha: float = Field(0.1, validate_default=True,
+                         description="concentration of each pair's Dir(alpha, alpha), > 0 (default 0.1: FHBench's "
+                                     "image setting)")
+    max_draws: int = Field(1000, ge=1, description="redraws of a chunk before the partition stops with an error "
+                                                   "(default 1000: ours; the FHBench code loops forever)")
+    pair_sizes: Literal["equal", "drawn"] = Field("equal", description="equal (default: the FHBench code's "
+                                                                       "DataPartitioner, K equal blocks of "
+                                                                       "int(N/K)) or drawn (the Dirichlet lists "
+                                                                       "as drawn)")
+
+    @model_validator(mode="after")
+    def _pairs(self) -> "DirichletPairsPartitionConfig":
+        if self.num_clients < 2:
+            raise ValueError(f"num_clients={self.num_clients}: dirichlet_pairs needs at least 2 clients (one pair)")
+        return self
+
+
+class NaturalPartitionConfig(PartitionConfigBase, _NoAlpha):
+    """``scheme: natural``: the data set's own clients and local splits (a generated federated
+    data set such as ``synthetic_0.5_0.5``); nothing is drawn. ``num_clients`` must equal the
+    data set's client count. ``pool``, ``data_fraction`` and ``local_test`` do not apply (the
+    data set's clients and splits are used as they are) and are rejected as keys; the
+    properties below answer for them. Partitioner:
+    :class:`medpfl.data.partition.NaturalPartitioner`."""
+
+    scheme: Literal["natural"] = "natural"
+
+    @property
+    def pool(self) -> Literal["train"]:
+        """Always the train split (a generated federated set has no other)."""
+        return "train"
+
+    @property
+    def data_fraction(self) -> float:
+        """Always 1.0: every sample of the data set's clients."""
+        return 1.0
+
+    @property
+    def local_test(self) -> None:
+        """None: the data set's own local splits are used."""
+        return None
+
+
+#: One config class per scheme, by scheme name (the tags of :data:`PartitionConfig`).
+PARTITION_CONFIGS: dict[str, type[PartitionConfigBase]] = {
+    cls.model_fields["scheme"].default: cls
+    for cls in (DirichletPartitionConfig, IIDPartitionConfig, PathologicalPartitionConfig, ShardsPartitionConfig,
+                PerClientDirichletPartitionConfig, NaturalPartitionConfig, DirichletPairsPartitionConfig)
+}
+
+#: The keys of the flat partition model every scheme shared before they had their own classes,
+#: in its field order, with its defaults (the value a scheme without the key dumped), as
+#: :meth:`PartitionConfigBase.job_dict` writes them. Frozen: existing job descriptions depend on it.
+LEGACY_JOB_KEYS: dict[str, Any] = {
+    "scheme": "dirichlet", "num_clients": 20, "alpha": 0.1, "self_balancing": True, "min_samples": 10,
+    "max_draws": 1000, "classes_per_client": None, "shards_per_client": None, "size_start": 1165, "size_stop": 3834,
+    "top_k": None, "clustered": False, "n_clusters": None, "pair_sizes": "equal", "pool": "train",
+    "data_fraction": 1.0, "seed": 1, "local_test": {"fraction": 0.2, "rule": "stratified"}, "datasets": None,
+    "server_data": None,
+}
+#: Keys added to the flat model after partitions existed, left out of the job description at
+#: these defaults (the flat model's ``_drop_later_defaults``).
+LATER_JOB_KEYS: dict[str, Any] = {"shards_per_client": None, "pair_sizes": "equal", "pool": "train",
+                                  "data_fraction": 1.0, "server_data": None}
+
+
+def _scheme_tag(v: Any) -> str | None:
+    """The discriminator of :data:`PartitionConfig`: an entry's ``scheme`` (default
+    ``dirichlet``); None (an "unknown scheme" error) for a scheme that is not a string."""
+    if isinstance(v, dict):
+        scheme = v.get("scheme", "dirichlet")
+        return scheme if isinstance(scheme, str) else None
+    return getattr(v, "scheme", "dirichlet")
+
+
+#: A ``partitions`` entry: the config class of its ``scheme``, a pydantic discriminated union
+#: (an unknown scheme fails with the error type ``partition_scheme``).
+PartitionConfig = Annotated[
+    Union[
+        Annotated[DirichletPartitionConfig, Tag("dirichlet")],
+        Annotated[IIDPartitionConfig, Tag("iid")],
+        Annotated[PathologicalPartitionConfig, Tag("pathological")],
+        Annotated[ShardsPartitionConfig, Tag("shards")],
+        Annotated[PerClientDirichletPartitionConfig, Tag("per_client_dirichlet")],
+        Annotated[NaturalPartitionConfig, Tag("natural")],
+        Annotated[DirichletPairsPartitionConfig, Tag("dirichlet_pairs")],
+    ],
+    Discriminator(_scheme_tag, custom_error_type="partition_scheme",
+                  custom_error_message=f"unknown partition scheme; one of {', '.join(PARTITION_CONFIGS)}"),
+]
+_PARTITION_ADAPTER: TypeAdapter = TypeAdapter(PartitionConfig)
+
+
+def partition_config(data: dict[str, Any] | None = None, /, **keys: Any) -> PartitionConfigBase:
+    """Validate one partition entry (without its ``name``) into its scheme's config class:
+    ``partition_config(scheme="iid", num_clients=10)`` or ``partition_config({...})``.
+
+    Raises pydantic's ``ValidationError`` (locations start with the scheme tag, e.g.
+    ``iid.alpha``); :func:`validate_params` turns those of ``params.yaml`` into
+    :class:`ParamsError` lines naming ``partitions.<name>.<key>``."""
+    return _PARTITION_ADAPTER.validate_python({**(data or {}), **keys})
+
+
+def partition_from_job(config: dict[str, Any]) -> PartitionConfigBase:
+    """The partition config of a job description (:meth:`PartitionConfigBase.job_dict`, the
+    partition stage's ``--job``): the keys of the flat legacy mapping that the scheme does not
+    take are dropped after checking that they hold the legacy filler value (anything else
+    cannot come from ``job_dict`` and is rejected). ``alpha: null`` is kept where the scheme
+    accepts it. Raises :class:`ParamsError` naming the key, or pydantic's ``ValidationError``
+    for the scheme's own keys."""
+    scheme = config.get("scheme", "dirichlet")
+    cls = PARTITION_CONFIGS.get(scheme) if isinstance(scheme, str) else None
+    if cls is None:
+        raise ParamsError(f"partition job: unknown scheme {scheme!r}; one of {', '.join(PARTITION_CONFIGS)}")
+    keep = {}
+    for key, value in config.items():
+        if key in cls.model_fields and not (key == "alpha" and value is not None and issubclass(cls, _NoAlpha)):
+            keep[key] = value
+        elif key not in LEGACY_JOB_KEYS or value != LEGACY_JOB_KEYS[key]:
+            raise ParamsError(f"partition job: key {key}={value!r} does not belong to the {scheme} scheme")
+    return cls.model_validate(keep)
 
 
 class OptimizerConfig(_Strict):
@@ -626,7 +865,7 @@ class Params(_Strict):
 
     study: str = Field("default", pattern=NAME_RE)
     data: DataConfig = DataConfig()
-    partitions: dict[str, PartitionConfig] = Field(default_factory=lambda: {"dir0.1": PartitionConfig()})
+    partitions: dict[str, PartitionConfig] = Field(default_factory=lambda: {"dir0.1": DirichletPartitionConfig()})
     methods: list[str] = Field(default_factory=lambda: ["fedavg", "local", "fedkper"], min_length=1)
     method_params: dict[str, dict[str, Any]] = Field(default_factory=dict)
     seeds: list[int] = Field(default_factory=lambda: [1], min_length=1)
@@ -656,7 +895,7 @@ class Params(_Strict):
 
     @field_validator("partitions")
     @classmethod
-    def _partition_names(cls, v: dict[str, PartitionConfig]) -> dict[str, PartitionConfig]:
+    def _partition_names(cls, v: dict[str, PartitionConfigBase]) -> dict[str, PartitionConfigBase]:
         if not v:
             raise ValueError("at least one partition is required")
         for name in v:
@@ -684,6 +923,16 @@ class Params(_Strict):
         names (``partitions.<name>.datasets``), or on all of them."""
         return [(d, name) for d in self.data.datasets for name, part in self.partitions.items()
                 if part.datasets is None or d in part.datasets]
+
+    def study_dict(self) -> dict[str, Any]:
+        """The whole study as JSON-ready values, the report rule's ``params`` (logged to the
+        study's MLflow parent run): ``model_dump(mode="json")`` with every partition as its
+        :meth:`PartitionConfigBase.job_dict`, the flat mapping of the single partition model of
+        earlier versions, so that the description (and the report's re-run trigger) of an
+        existing study is unchanged."""
+        out = self.model_dump(mode="json")
+        out["partitions"] = {name: part.job_dict() for name, part in self.partitions.items()}
+        return out
 
     @field_validator("seeds")
     @classmethod
@@ -792,14 +1041,35 @@ def _fmt_loc(loc: tuple) -> str:
 
 
 def format_validation_error(err: ValidationError, source: str) -> str:
+    """One line per error of a params file: ``  - <dotted key>: <message>``, under a first line
+    naming ``source``. Inside a ``partitions`` entry the location drops pydantic's scheme tag
+    (``partitions.<name>.<key>``), a key the entry's scheme does not take names the scheme, the
+    keys it takes and the schemes the key belongs to (:func:`partition_key_message`), and an
+    unknown scheme names ``partitions.<name>.scheme`` and the known ones."""
     lines = [f"{source}: invalid parameters"]
     for e in err.errors():
-        loc = _fmt_loc(e["loc"])
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            msg = "unknown key (check the spelling; see params.yaml for the allowed keys)"
-        lines.append(f"  - {loc}: {msg}" if e["loc"] else f"  - {msg}")
+        loc, msg = tuple(e["loc"]), e["msg"].removeprefix("Value error, ")
+        scheme = None
+        if len(loc) >= 3 and loc[0] == "partitions" and loc[2] in PARTITION_CONFIGS:
+            scheme, loc = loc[2], loc[:2] + loc[3:]  # the union's tag is no key of the file
+        if e["type"] == "partition_scheme" and len(loc) == 2 and loc[0] == "partitions":
+            given = e["input"].get("scheme") if isinstance(e["input"], dict) else e["input"]
+            loc, msg = loc + ("scheme",), f"unknown scheme {given!r}; one of {', '.join(PARTITION_CONFIGS)}"
+        elif e["type"] == "extra_forbidden":
+            msg = (partition_key_message(scheme, str(loc[2])) if scheme is not None and len(loc) == 3
+                   else "unknown key (check the spelling; see params.yaml for the allowed keys)")
+        lines.append(f"  - {_fmt_loc(loc)}: {msg}" if loc else f"  - {msg}")
     return "\n".join(lines)
+
+
+def partition_key_message(scheme: str, key: str) -> str:
+    """The error for a ``partitions`` entry of ``scheme`` that sets ``key``, which that scheme
+    does not take: the schemes that do take it, or a hint at the spelling, then the scheme's
+    own keys (:meth:`PartitionConfigBase.scheme_keys`)."""
+    owners = [name for name, cls in PARTITION_CONFIGS.items() if key in cls.scheme_keys()]
+    head = (f"not a key of the {scheme} scheme (a key of {', '.join(owners)})" if owners
+            else f"unknown key for the {scheme} scheme (check the spelling)")
+    return f"{head}; the {scheme} scheme takes {', '.join(PARTITION_CONFIGS[scheme].scheme_keys())}"
 
 
 def deep_merge(base: dict, overlay: dict) -> dict:
@@ -881,6 +1151,17 @@ def train_job(params: Params, dataset: str, partition: str, method: str, seed: i
         "train": params.method_train(method).model_dump(),
         "eval": params.eval.model_dump(),
     }
+
+
+def partition_job(params: Params, dataset: str, partition: str) -> dict:
+    """What the partition stage needs for one (data set, partition): ``{"dataset", "name",
+    "config"}``, the config being the partition's :meth:`PartitionConfigBase.job_dict` (the flat
+    description of earlier versions, unchanged for every config that was valid then, so that
+    Snakemake's params trigger re-runs no existing partition). Read back by the stage with
+    :func:`partition_from_job`."""
+    if partition not in params.partitions:
+        raise ParamsError(f"partitions: no partition named {partition!r}")
+    return {"dataset": dataset, "name": partition, "config": params.partitions[partition].job_dict()}
 
 
 def dataset_job(params: Params, dataset: str) -> dict:

@@ -4,7 +4,7 @@ import shlex
 import shutil
 from pathlib import Path
 
-from medpfl.config import canonical_json, dataset_job, train_job, validate_params
+from medpfl.config import canonical_json, dataset_job, partition_job, train_job, validate_params
 from medpfl.io import tree_hash
 
 PARAMS = validate_params(config, "params.yaml (with any --configfile overlays)")
@@ -59,8 +59,7 @@ def raw_file(wildcards):
 
 
 def partition_json(wildcards):
-    cfg = PARAMS.partitions[wildcards.partition].model_dump()
-    return q({"dataset": wildcards.dataset, "name": wildcards.partition, "config": cfg})
+    return q(partition_job(PARAMS, wildcards.dataset, wildcards.partition))
 
 
 def train_json(wildcards):
@@ -68,7 +67,7 @@ def train_json(wildcards):
 
 
 def study_json(wildcards):
-    return q(PARAMS.model_dump(mode="json"))
+    return q(PARAMS.study_dict())  # the partitions as their job_dict: existing reports keep their trigger
 
 
 RUN_DIR = "results/{study}/runs/{dataset}/{partition}/{method}/seed{seed}"

@@ -1,10 +1,15 @@
 """Partitioners: split a data set's official train split over K clients, then each client's
 share into local train and local test.
 
-One class per scheme (``DirichletPartitioner``, ``IIDPartitioner``,
-``PathologicalPartitioner``, ``ShardsPartitioner``, ``PerClientDirichletPartitioner``,
-``PairwiseDirichletPartitioner``), each seeded, each returning a list of K index arrays into
-the label vector it was given. The pool is the official train split, or with ``pool: all``
+One class per scheme on the common base :class:`Partitioner` (``DirichletPartitioner``,
+``IIDPartitioner``, ``PathologicalPartitioner``, ``ShardsPartitioner``,
+``PerClientDirichletPartitioner``, ``PairwiseDirichletPartitioner``, ``NaturalPartitioner``),
+registered by scheme name in :data:`PARTITIONERS` and built from the scheme's config class
+(:mod:`medpfl.config`, ``PARTITION_CONFIGS``) by :meth:`Partitioner.from_config`; each drawing
+partitioner is seeded and returns a list of K index arrays into the label vector it was given
+(:meth:`Partitioner.partition`). :func:`build_partition` holds what every scheme shares: the
+server data, the pool's ``data_fraction`` draw, the local split (:meth:`Partitioner.client_splits`)
+and the table checks. The pool is the official train split, or with ``pool: all``
 every split (:func:`partition_pool`); ``data_fraction`` draws a seeded subset of it first. All draws
 come from one ``numpy.random.RandomState(seed)`` that continues into the local train/test
 split, in the order of the FedKPer authors' code as read in
@@ -33,13 +38,17 @@ from __future__ import annotations
 
 import heapq
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import ClassVar
 
 import numpy as np
 import pandas as pd
 
-from medpfl.config import LocalTestConfig, PartitionConfig, ServerDataConfig
+from medpfl.config import (DirichletPairsPartitionConfig, DirichletPartitionConfig, IIDPartitionConfig, LocalTestConfig,
+                           NaturalPartitionConfig, PartitionConfigBase, PathologicalPartitionConfig,
+                           PerClientDirichletPartitionConfig, ServerDataConfig, ShardsPartitionConfig)
 from medpfl.data.schemas import SERVER_CLIENT, PartitionTable, SharedPartitionTable, validate
 
 
@@ -47,8 +56,59 @@ class PartitionError(ValueError):
     """The partition cannot be built with these parameters; the message names the key."""
 
 
+class Partitioner(ABC):
+    """Base class of the partitioners, one subclass per ``partitions.<name>.scheme`` (in the
+    manner of flwr-datasets' partitioners: one small class per scheme, one base class).
+
+    A subclass is a dataclass of its scheme's knobs (positional, in the order its tests and
+    callers use) and ``key``, the params key its errors name (``partitions.<name>``). It
+    implements :meth:`from_config` (its config class to itself) and :meth:`partition` (the
+    draw); :meth:`client_splits` (the partition, then each client's local split) is shared.
+
+    Class attributes:
+      ``scheme``: the scheme name (the key of :data:`PARTITIONERS`).
+      ``shares_samples``: clients may share pool samples (the table is then checked against
+      :class:`SharedPartitionTable`, else against :class:`PartitionTable`).
+      ``leaves_out``: some pool samples may go to no client (else :func:`build_partition`
+      checks that every pool sample was assigned).
+      ``draws``: the scheme draws from the partition's seeded ``RandomState`` (all but
+      ``natural``); only then is ``data_fraction`` applied.
+    """
+
+    scheme: ClassVar[str]
+    shares_samples: ClassVar[bool] = False
+    leaves_out: ClassVar[bool] = False
+    draws: ClassVar[bool] = True
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, cfg: PartitionConfigBase, key: str) -> "Partitioner":
+        """The partitioner of ``cfg`` (its scheme's config class); ``key`` is the params key its
+        errors name (``partitions.<name>``)."""
+
+    @abstractmethod
+    def partition(self, labels: np.ndarray, rng: np.random.RandomState) -> list[np.ndarray]:
+        """labels: int [N], the class of each pool sample. Returns the K clients' positions into
+        ``labels`` (int64 arrays, each in the client's final order), drawn from ``rng``. Raises
+        PartitionError naming ``key`` when the partition cannot be built."""
+
+    def client_splits(self, labels: np.ndarray, rng: np.random.RandomState | None,
+                      local_test: LocalTestConfig | None, *, test_labels: np.ndarray | None = None,
+                      natural: tuple[np.ndarray, np.ndarray] | None = None) -> list[tuple[np.ndarray, ...]]:
+        """Each client's local splits: :meth:`partition`, then the rule of ``local_test``, from
+        the same ``rng`` (after the partition's draws): :func:`split_official_test` (test
+        positions into ``test_labels``, int64 [M], the official test split's labels) or
+        :func:`split_local` (``(train, test)`` positions into ``labels``, or ``(train, test,
+        val)`` with the ``ratios`` rule). ``natural`` is for :class:`NaturalPartitioner` only.
+        Raises PartitionError naming ``<key>.local_test``."""
+        clients = self.partition(labels, rng)
+        if local_test.rule == "official_test":
+            return split_official_test(clients, labels, test_labels, rng, key=f"{self.key}.local_test")
+        return split_local(clients, labels, local_test, rng, key=f"{self.key}.local_test")
+
+
 @dataclass
-class DirichletPartitioner:
+class DirichletPartitioner(Partitioner):
     """Label-skew partition: for each class c (in sorted order), shuffle its samples and draw
     proportions ``p ~ Dir(alpha * 1_K)`` over clients, then cut the class at
     ``cumsum(p) * n_c`` (Hsu et al. 2019, "Measuring the effects of non-identical data
@@ -66,6 +126,13 @@ class DirichletPartitioner:
     self_balancing: bool = True
     max_draws: int = 1000
     key: str = "partitions.<name>"
+
+    scheme: ClassVar[str] = "dirichlet"
+
+    @classmethod
+    def from_config(cls, cfg: DirichletPartitionConfig, key: str) -> "DirichletPartitioner":
+        """The partitioner of ``cfg`` (:class:`medpfl.config.DirichletPartitionConfig`)."""
+        return cls(cfg.num_clients, cfg.alpha, cfg.min_samples, cfg.self_balancing, cfg.max_draws, key)
 
     def partition(self, labels: np.ndarray, rng: np.random.RandomState) -> list[np.ndarray]:
         """labels: int [N] class of each pool sample. Returns K arrays of positions into ``labels``."""
@@ -109,12 +176,19 @@ class DirichletPartitioner:
 
 
 @dataclass
-class IIDPartitioner:
+class IIDPartitioner(Partitioner):
     """Uniform random split into K parts whose sizes differ by at most one."""
 
     num_clients: int
     min_samples: int = 1
     key: str = "partitions.<name>"
+
+    scheme: ClassVar[str] = "iid"
+
+    @classmethod
+    def from_config(cls, cfg: IIDPartitionConfig, key: str) -> "IIDPartitioner":
+        """The partitioner of ``cfg`` (:class:`medpfl.config.IIDPartitionConfig`)."""
+        return cls(cfg.num_clients, cfg.min_samples, key)
 
     def partition(self, labels: np.ndarray, rng: np.random.RandomState) -> list[np.ndarray]:
         _check_size(len(labels), self.num_clients, self.min_samples, self.key)
@@ -123,7 +197,7 @@ class IIDPartitioner:
 
 
 @dataclass
-class PathologicalPartitioner:
+class PathologicalPartitioner(Partitioner):
     """Each client holds ``classes_per_client`` classes (McMahan et al. 2017, "pathological
     non-IID"). Classes are dealt round-robin over a shuffled class order, so every class is
     held by about ``K * k / C`` clients; each class's shuffled samples are split evenly among
@@ -133,6 +207,13 @@ class PathologicalPartitioner:
     classes_per_client: int
     min_samples: int = 1
     key: str = "partitions.<name>"
+
+    scheme: ClassVar[str] = "pathological"
+
+    @classmethod
+    def from_config(cls, cfg: PathologicalPartitionConfig, key: str) -> "PathologicalPartitioner":
+        """The partitioner of ``cfg`` (:class:`medpfl.config.PathologicalPartitionConfig`)."""
+        return cls(cfg.num_clients, cfg.classes_per_client, cfg.min_samples, key)
 
     def partition(self, labels: np.ndarray, rng: np.random.RandomState) -> list[np.ndarray]:
         classes = np.unique(labels)
@@ -166,7 +247,7 @@ class PathologicalPartitioner:
 
 
 @dataclass
-class ShardsPartitioner:
+class ShardsPartitioner(Partitioner):
     """McMahan et al. 2017's shards ("pathological non-IID"; the PFPS-LWC spec's READING of its
     pathological partition, ``../shared/docs/methods-fedmic-pfpslwc.md`` B.4): sort the pool by
     label, cut it into ``S = num_clients * shards_per_client`` shards, give each client
@@ -192,6 +273,13 @@ class ShardsPartitioner:
     shards_per_client: int
     min_samples: int = 1
     key: str = "partitions.<name>"
+
+    scheme: ClassVar[str] = "shards"
+
+    @classmethod
+    def from_config(cls, cfg: ShardsPartitionConfig, key: str) -> "ShardsPartitioner":
+        """The partitioner of ``cfg`` (:class:`medpfl.config.ShardsPartitionConfig`)."""
+        return cls(cfg.num_clients, cfg.shards_per_client, cfg.min_samples, key)
 
     def shard_counts(self, class_sizes: np.ndarray) -> np.ndarray:
         """Shards per class (int [C], summing to S): one each, then every further shard to the
@@ -241,7 +329,7 @@ class ShardsPartitioner:
 
 
 @dataclass
-class PerClientDirichletPartitioner:
+class PerClientDirichletPartitioner(Partitioner):
     """The pFedKD-WCL partition (HengruiH/pFedKD ``utils/MNIST_dirichlet.py``; spec A.3.1).
 
     Client sizes ``n = linspace(size_start, size_stop, K, dtype=int)`` (deterministic,
@@ -276,6 +364,15 @@ class PerClientDirichletPartitioner:
     clustered: bool = False
     n_clusters: int | None = None
     key: str = "partitions.<name>"
+
+    scheme: ClassVar[str] = "per_client_dirichlet"
+    shares_samples: ClassVar[bool] = True
+
+    @classmethod
+    def from_config(cls, cfg: PerClientDirichletPartitionConfig, key: str) -> "PerClientDirichletPartitioner":
+        """The partitioner of ``cfg`` (:class:`medpfl.config.PerClientDirichletPartitionConfig`)."""
+        return cls(cfg.num_clients, cfg.alpha, cfg.size_start, cfg.size_stop, cfg.top_k, cfg.clustered, cfg.n_clusters,
+                   key)
 
     def sizes(self) -> np.ndarray:
         """Per-client sample counts: ``np.linspace(size_start, size_stop, K, dtype=int)``."""
@@ -350,7 +447,7 @@ class PerClientDirichletPartitioner:
 
 
 @dataclass
-class PairwiseDirichletPartitioner:
+class PairwiseDirichletPartitioner(Partitioner):
     """FHBench's Dirichlet partition (``build_non_iid_by_dirichlet``, from
     epfml/quasi-global-momentum, as used in microsoft/PersonalizedFL and wph6/FHBench
     ``datautil/datasplit.py``; ``../shared/docs/methods-pfedkdwcl-epfl.md`` B.4 and C.14),
@@ -391,6 +488,14 @@ class PairwiseDirichletPartitioner:
     equal_sizes: bool = True
     max_draws: int = 1000
     key: str = "partitions.<name>"
+
+    scheme: ClassVar[str] = "dirichlet_pairs"
+    leaves_out: ClassVar[bool] = True  # pair_sizes: equal leaves fewer than K samples to no client
+
+    @classmethod
+    def from_config(cls, cfg: DirichletPairsPartitionConfig, key: str) -> "PairwiseDirichletPartitioner":
+        """The partitioner of ``cfg`` (:class:`medpfl.config.DirichletPairsPartitionConfig`)."""
+        return cls(cfg.num_clients, cfg.alpha, cfg.pair_sizes == "equal", cfg.max_draws, key)
 
     def chunks(self, n: int) -> list[tuple[int, int, int]]:
         """``(start, stop, workers)`` of each chunk of a pool of ``n``, in order."""
@@ -454,6 +559,40 @@ class PairwiseDirichletPartitioner:
         return [np.sort(b).astype(np.int64) for b in lists]
 
 
+@dataclass
+class NaturalPartitioner(Partitioner):
+    """``scheme: natural``: the clients and local splits a generated federated data set carries
+    (the sample table's ``natural_client`` / ``natural_split``, e.g. ``synthetic_0.5_0.5``);
+    nothing is drawn and ``local_test`` does not apply, so it overrides
+    :meth:`client_splits` and has no :meth:`partition` of its own."""
+
+    num_clients: int
+    key: str = "partitions.<name>"
+
+    scheme: ClassVar[str] = "natural"
+    draws: ClassVar[bool] = False
+
+    @classmethod
+    def from_config(cls, cfg: NaturalPartitionConfig, key: str) -> "NaturalPartitioner":
+        """The partitioner of ``cfg`` (:class:`medpfl.config.NaturalPartitionConfig`)."""
+        return cls(cfg.num_clients, key)
+
+    def partition(self, labels: np.ndarray, rng: np.random.RandomState) -> list[np.ndarray]:
+        """Not defined: the clients come with the data (:meth:`client_splits`). Raises PartitionError."""
+        raise PartitionError(f"{self.key}: the natural scheme draws nothing; its clients come with the data set "
+                             "(client_splits with natural=...) (internal error)")
+
+    def client_splits(self, labels: np.ndarray, rng: np.random.RandomState | None,
+                      local_test: LocalTestConfig | None, *, test_labels: np.ndarray | None = None,
+                      natural: tuple[np.ndarray, np.ndarray] | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+        """natural: ``(client id int [N], local split str [N] in {"train", "test"})`` of each
+        pool sample, in pool order. Returns per client ``(train, test)`` positions into
+        ``labels`` (ascending). ``rng``, ``local_test`` and ``test_labels`` are not used. Raises
+        PartitionError naming ``key`` when the data set has no natural clients, their number is
+        not ``num_clients`` or a client lacks a train or test sample."""
+        return _natural_splits(labels, self.num_clients, natural, self.key)
+
+
 def _check_size(n: int, k: int, min_samples: int, key: str) -> None:
     if k > n:
         raise PartitionError(f"{key}.num_clients={k} exceeds the {n} samples of the train split")
@@ -462,27 +601,25 @@ def _check_size(n: int, k: int, min_samples: int, key: str) -> None:
                              f"the train split has {n}; lower {key}.num_clients or {key}.min_samples")
 
 
-OVERLAPPING_SCHEMES = frozenset({"per_client_dirichlet"})
-# schemes that may leave pool samples to no client (dirichlet_pairs' equal blocks drop < K samples)
-INCOMPLETE_SCHEMES = frozenset({"dirichlet_pairs"})
+#: The partitioner class of each scheme, by scheme name (the same names as
+#: :data:`medpfl.config.PARTITION_CONFIGS`).
+PARTITIONERS: dict[str, type[Partitioner]] = {
+    cls.scheme: cls
+    for cls in (DirichletPartitioner, IIDPartitioner, PathologicalPartitioner, ShardsPartitioner,
+                PerClientDirichletPartitioner, NaturalPartitioner, PairwiseDirichletPartitioner)
+}
 
 
-def make_partitioner(cfg: PartitionConfig, key: str):
-    if cfg.scheme == "per_client_dirichlet":
-        return PerClientDirichletPartitioner(cfg.num_clients, cfg.alpha, cfg.size_start, cfg.size_stop, cfg.top_k,
-                                             cfg.clustered, cfg.n_clusters, key)
-    if cfg.scheme == "natural":
-        raise PartitionError(f"{key}: the natural scheme draws nothing; use build_partition with the data set's "
-                             "own clients (internal error)")
-    if cfg.scheme == "dirichlet_pairs":
-        return PairwiseDirichletPartitioner(cfg.num_clients, cfg.alpha, cfg.pair_sizes == "equal", cfg.max_draws, key)
-    if cfg.scheme == "dirichlet":
-        return DirichletPartitioner(cfg.num_clients, cfg.alpha, cfg.min_samples, cfg.self_balancing, cfg.max_draws, key)
-    if cfg.scheme == "iid":
-        return IIDPartitioner(cfg.num_clients, cfg.min_samples, key)
-    if cfg.scheme == "shards":
-        return ShardsPartitioner(cfg.num_clients, cfg.shards_per_client, cfg.min_samples, key)
-    return PathologicalPartitioner(cfg.num_clients, cfg.classes_per_client, cfg.min_samples, key)
+def make_partitioner(cfg: PartitionConfigBase, key: str) -> Partitioner:
+    """The partitioner of ``cfg``'s scheme (:data:`PARTITIONERS`), built by its
+    :meth:`Partitioner.from_config`; ``key`` is the params key its errors name. Raises
+    PartitionError for a scheme without a partitioner (an internal error: every config class
+    has one)."""
+    try:
+        cls = PARTITIONERS[cfg.scheme]
+    except KeyError:
+        raise PartitionError(f"{key}.scheme: no partitioner for scheme {cfg.scheme!r} (internal error)") from None
+    return cls.from_config(cfg, key)
 
 
 def split_local(clients: list[np.ndarray], labels: np.ndarray, cfg: LocalTestConfig, rng: np.random.RandomState,
@@ -696,7 +833,7 @@ def _fedkper_test(idx: np.ndarray, y: np.ndarray, fraction: float, rng: np.rando
     return test.astype(np.int64)
 
 
-def partition_pool(samples: pd.DataFrame, cfg: PartitionConfig) -> pd.DataFrame:
+def partition_pool(samples: pd.DataFrame, cfg: PartitionConfigBase) -> pd.DataFrame:
     """The rows of the sample table (:class:`SampleTable`) that ``cfg`` partitions, in pool order:
     ``pool: train``, the official train split; ``pool: all``, the official train, test and val
     splits, in that order (the FHBench code's concatenation), each in its own order. The
@@ -710,6 +847,22 @@ def fraction_size(fraction: float, n: int) -> int:
     """``floor(fraction * n)``, exact on the decimal value of ``fraction`` (FHBench's
     ``int(len(data) * datapercent)``; the same for 0.2, 0.3 and 0.5 at every n)."""
     return int(math.floor(Fraction(repr(float(fraction))) * n))
+
+
+def draw_data_fraction(pool_ids: np.ndarray, pool_labels: np.ndarray, fraction: float, num_clients: int,
+                       rng: np.random.RandomState, key: str = "partitions.<name>") -> tuple[np.ndarray, np.ndarray]:
+    """The ``data_fraction`` subset of the pool (FHBench's ``datapercent``): ``m =``
+    :func:`fraction_size` ``(fraction, N)`` positions drawn by ``rng.choice(N, m,
+    replace=False)``, the partition's first draw, kept in the drawn order.
+
+    pool_ids, pool_labels: [N] each. Returns the two arrays' ``[m]`` subsets. Raises
+    PartitionError naming ``<key>.data_fraction`` when ``m`` is below ``num_clients``."""
+    m = fraction_size(fraction, len(pool_ids))
+    if m < num_clients:
+        raise PartitionError(f"{key}.data_fraction={fraction} keeps {m} of the {len(pool_ids)} pool "
+                             f"samples, fewer than num_clients={num_clients}; raise {key}.data_fraction")
+    keep = rng.choice(len(pool_ids), m, replace=False)
+    return pool_ids[keep], pool_labels[keep]
 
 
 def draw_server_data(val_ids: np.ndarray, val_labels: np.ndarray, cfg: ServerDataConfig, seed: int,
@@ -736,7 +889,7 @@ def draw_server_data(val_ids: np.ndarray, val_labels: np.ndarray, cfg: ServerDat
     return val_ids[pick], val_labels[pick]
 
 
-def build_partition(pool_ids: np.ndarray, pool_labels: np.ndarray, cfg: PartitionConfig, name: str = "<name>",
+def build_partition(pool_ids: np.ndarray, pool_labels: np.ndarray, cfg: PartitionConfigBase, name: str = "<name>",
                     natural: tuple[np.ndarray, np.ndarray] | None = None,
                     official_test: tuple[np.ndarray, np.ndarray] | None = None,
                     val: tuple[np.ndarray, np.ndarray] | None = None) -> pd.DataFrame:
@@ -770,6 +923,7 @@ def build_partition(pool_ids: np.ndarray, pool_labels: np.ndarray, cfg: Partitio
     Raises PartitionError naming the ``partitions.<name>`` key.
     """
     key = f"partitions.{name}"
+    partitioner = make_partitioner(cfg, key)
     pool_ids, pool_labels = np.asarray(pool_ids), np.asarray(pool_labels)
     test_ids = test_labels = None
     server = None
@@ -781,29 +935,19 @@ def build_partition(pool_ids: np.ndarray, pool_labels: np.ndarray, cfg: Partitio
             raise PartitionError(f"{key}.server_data: {int(held.sum())} server samples are in the {cfg.pool} pool "
                                  "(internal error)")
         pool_ids, pool_labels = pool_ids[~held], pool_labels[~held]
-    if cfg.scheme == "natural":
-        if cfg.pool != "train" or cfg.data_fraction != 1.0:
-            raise PartitionError(f"{key}: pool and data_fraction do not apply to scheme: natural")
-        splits = _natural_splits(pool_labels, cfg, natural, key)
-    else:
+    rng = None
+    if partitioner.draws:  # natural draws nothing (and takes no pool or data_fraction)
         rng = np.random.RandomState(cfg.seed)
         if cfg.data_fraction < 1.0:
-            m = fraction_size(cfg.data_fraction, len(pool_ids))
-            if m < cfg.num_clients:
-                raise PartitionError(f"{key}.data_fraction={cfg.data_fraction} keeps {m} of the {len(pool_ids)} pool "
-                                     f"samples, fewer than num_clients={cfg.num_clients}; raise {key}.data_fraction")
-            keep = rng.choice(len(pool_ids), m, replace=False)
-            pool_ids, pool_labels = pool_ids[keep], pool_labels[keep]
-        clients = make_partitioner(cfg, key).partition(pool_labels, rng)
-        if cfg.local_test.rule == "official_test":
-            test_ids, test_labels = (np.asarray(a) for a in (official_test or ([], [])))
-            if len(test_ids) != len(test_labels):
-                raise PartitionError(f"{key}: {len(test_ids)} official test ids for {len(test_labels)} labels "
-                                     "(internal error)")
-            splits = split_official_test(clients, pool_labels, test_labels.astype(np.int64), rng,
-                                         key=f"{key}.local_test")
-        else:
-            splits = split_local(clients, pool_labels, cfg.local_test, rng, key=f"{key}.local_test")
+            pool_ids, pool_labels = draw_data_fraction(pool_ids, pool_labels, cfg.data_fraction, cfg.num_clients,
+                                                       rng, key)
+    if cfg.local_test is not None and cfg.local_test.rule == "official_test":
+        test_ids, test_labels = (np.asarray(a) for a in (official_test or ([], [])))
+        if len(test_ids) != len(test_labels):
+            raise PartitionError(f"{key}: {len(test_ids)} official test ids for {len(test_labels)} labels "
+                                 "(internal error)")
+    splits = partitioner.client_splits(pool_labels, rng, cfg.local_test, natural=natural,
+                                       test_labels=None if test_labels is None else test_labels.astype(np.int64))
     rows = []
     for cid, (train, test, *rest) in enumerate(splits):
         rows.append(pd.DataFrame({"sample_id": pool_ids[train], "client_id": cid, "local_split": "train",
@@ -824,12 +968,12 @@ def build_partition(pool_ids: np.ndarray, pool_labels: np.ndarray, cfg: Partitio
         in_clients = table.loc[table["client_id"] != SERVER_CLIENT, "sample_id"]
         if np.isin(server[0], in_clients.to_numpy()).any():
             raise PartitionError(f"{key}.server_data: a server sample is also a client's (internal error)")
-    if cfg.scheme in OVERLAPPING_SCHEMES:
+    if partitioner.shares_samples:
         return validate(SharedPartitionTable, table, f"partition {name}")
     table = validate(PartitionTable, table, f"partition {name}")
     from_pool = sum(len(s[0]) + (len(s[2]) if len(s) > 2 else 0) + (len(s[1]) if test_ids is None else 0)
                     for s in splits)
-    if from_pool != len(pool_ids) and cfg.scheme not in INCOMPLETE_SCHEMES:
+    if from_pool != len(pool_ids) and not partitioner.leaves_out:
         raise PartitionError(f"{key}: {from_pool} of {len(pool_ids)} pool samples assigned (internal error)")
     expected = from_pool + (0 if test_ids is None else sum(len(s[1]) for s in splits)) + n_server
     if len(table) != expected:
@@ -838,7 +982,7 @@ def build_partition(pool_ids: np.ndarray, pool_labels: np.ndarray, cfg: Partitio
     return table
 
 
-def _natural_splits(pool_labels: np.ndarray, cfg: PartitionConfig, natural, key: str):
+def _natural_splits(pool_labels: np.ndarray, num_clients: int, natural, key: str):
     if natural is None:
         raise PartitionError(f"{key}.scheme=natural: the data set has no natural clients (its sample table lacks "
                              "natural_client/natural_split; only generated federated sets such as "
@@ -847,8 +991,8 @@ def _natural_splits(pool_labels: np.ndarray, cfg: PartitionConfig, natural, key:
     if len(client) != len(pool_labels) or len(split) != len(pool_labels):
         raise PartitionError(f"{key}: natural client/split arrays do not match the {len(pool_labels)} pool samples")
     k = int(client.max()) + 1
-    if k != cfg.num_clients:
-        raise PartitionError(f"{key}.num_clients={cfg.num_clients}, but the data set has {k} natural clients; "
+    if k != num_clients:
+        raise PartitionError(f"{key}.num_clients={num_clients}, but the data set has {k} natural clients; "
                              f"set {key}.num_clients: {k}")
     out = []
     for cid in range(k):
