@@ -12,6 +12,8 @@ first model of the zoo that has them (:func:`model_for`); it is compared with Fe
 
 from __future__ import annotations
 
+import re
+
 import pandas as pd
 import pytest
 import torch
@@ -114,14 +116,35 @@ def test_registry_holds_the_table1_methods():
     assert table1 <= set(REGISTRY), sorted(table1 - set(REGISTRY))
 
 
+# What a config field's description must contain to count as naming the source of its default: the
+# method's paper or a section, equation, algorithm, table, figure or appendix item of it ("paper",
+# "Sec. 4", "§5", "Eq. 6", "Alg. 1", "Table 5", "Fig. 2", "A.7"), a reference code ("official",
+# "authors'", "code", "scripts", "notebook", a code file such as "clientas.py" or "fedcurv.json",
+# PFLlib, FHBench, FedTorch), the spec ("spec B.3"), or "ours" where no source is known.
+SOURCE_MARKER = re.compile(
+    r"paper|official|authors|\bcode\b|\bscripts?\b|notebook|\bspec\b|PFLlib|FHBench|FedTorch|\bours\b"
+    r"|\bSec\.|§|\b[Ee]q\.|\bAlg\.|\bTable\b|\bFig\.|\b[A-Z]\.\d|\b\w+\.(?:py|json|yaml|sh|ipynb)\b")
+
+
+@pytest.mark.parametrize("description, sourced", [
+    ("proximal weight (paper Sec. 5.3)", True), ("alignment lr (official clientas.py)", True),
+    ("penalty weight (FedNTD config/fedcurv.json)", True), ("spec B.2 READING", True), ("(PFLlib -mlr)", True),
+    ("bound on the first epochs (ours)", True), ("None = train.batch_size", False),
+    ("upper bound of the adaptive KD weight lambda", False), ("", False),
+])
+def test_source_marker_tells_a_sourced_description(description, sourced):
+    assert bool(SOURCE_MARKER.search(description)) is sourced
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_defaults_are_explicit_and_sourced(method):
     cls = REGISTRY[method]
     assert cls.paper, f"{method}: no paper"
-    for name, field in cls.Config.model_fields.items():
-        assert field.description or cls.Config.__doc__, f"{method}.{name}: no source/description"
-        assert field.is_required() is False, f"{method}.{name}: no default"
     assert cls.Config.__doc__, f"{method}: the config class documents where its defaults come from"
+    for name, field in cls.Config.model_fields.items():
+        assert field.is_required() is False, f"{method}.{name}: no default"
+        assert field.description and SOURCE_MARKER.search(field.description), \
+            f"{method}.{name}: the description names no source of the default: {field.description!r}"
 
 
 @pytest.mark.parametrize("method", METHODS)
