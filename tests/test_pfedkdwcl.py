@@ -51,13 +51,11 @@ def client_loss_and_grad(algo, theta, teacher, x, y, w):
 
 
 # ----- defaults ------------------------------------------------------------------------------
-def test_defaults_capabilities_and_no_fedavg_reduction():
+def test_defaults_and_phase():
     algo = make_algo("pfedkdwcl")
     c = algo.cfg
     assert (c.gamma, c.local_steps, c.theta_init, c.server_weighting, c.server_lr, c.legacy_last_client_grad) == \
         (0.1, 20, "persistent", "uniform", None, False)
-    assert type(algo).fedavg_when is None
-    assert algo.has_global_model and algo.personalized and algo.aggregates and algo.stackable
     assert "Algorithms 2025" in algo.paper and "Hu" in algo.paper
     (ph,) = algo.phases(RND)
     assert ph.name == "train" and dict(ph.trainable) == {"theta": None} and ph.steps == 20
