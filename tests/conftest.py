@@ -93,6 +93,34 @@ def assert_trees_close(a, b, atol, rtol=0.0):
         torch.testing.assert_close(a, b, atol=atol, rtol=rtol)
 
 
+def record_train_compute_dtypes(algo) -> list[tuple[str, frozenset]]:
+    """Spy on ``algo.train_forward`` (the forward of every local training step): the returned list
+    receives ``(op, the dtypes of its tensor inputs)`` for each convolution and matrix product the
+    forward runs, as the kernels receive them (a dispatch mode sees the physical tensors, also under
+    ``vmap`` and after autocast's casts)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    heavy = {aten.convolution, aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
+    seen: list[tuple[str, frozenset]] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in heavy:
+                seen.append((func.overloadpacket.__name__,
+                             frozenset(t.dtype for t in args if isinstance(t, torch.Tensor))))
+            return func(*args, **(kwargs or {}))
+
+    real = algo.train_forward
+
+    def spy(params, batch):
+        with Record():
+            return real(params, batch)
+
+    algo.train_forward = spy
+    return seen
+
+
 np.set_printoptions(precision=4, suppress=True)
 
 
