@@ -204,8 +204,8 @@ def test_finish_uploads_the_gradient_and_keeps_theta():
     # an upload carrying theta is refused by the upload check
     stacked = {"grad": {k: v.unsqueeze(0) for k, v in g.items()}, "num_samples": torch.ones(1)}
     check_upload(algo.name, algo.upload_spec(), stacked, 1)
+    leak = {**stacked, "theta": {k: v.unsqueeze(0) for k, v in theta.items()}}
     with pytest.raises(UploadSpecError):
-        leak = {**stacked, "theta": {k: v.unsqueeze(0) for k, v in theta.items()}}
         check_upload(algo.name, algo.upload_spec(), leak, 1)
 
 
