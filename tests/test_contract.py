@@ -1,8 +1,9 @@
 """The registry-wide contract: every registered method (present and future, found through the
 registry, never listed here) runs on both executors with equal results where it is stackable,
-sends only what it declares, resumes to the same numbers after a kill, records what its
-capabilities say, documents its defaults, and differs from FedAvg unless the knob its paper names
-says it should not (``fedavg_when``), in which case it equals FedAvg.
+sends only what it declares, resumes to the same numbers after a kill (on each executor it runs
+on), records what its capabilities say, documents its defaults (each with its source), and
+differs from FedAvg unless the knob its paper names says it should not (``fedavg_when``), in
+which case it equals FedAvg.
 
 Runs are tiny (5 synthetic clients, 3 sampled per round, 1 local epoch, 2 rounds) and cached per
 (method, executor, model, overrides) so that each check reuses them. A method runs on ``cnn4``,
@@ -225,9 +226,14 @@ class _Kill(Exception):
     pass
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_killed_and_resumed_run_equals_uninterrupted(fed_data, method, tmp_path):
-    _, full = cached(fed_data, method)
+@pytest.mark.parametrize("method, executor", [
+    *[(m, "sequential") for m in METHODS],
+    *[(m, "stacked") for m in METHODS if REGISTRY[m].not_stackable_because is None],
+])
+def test_killed_and_resumed_run_equals_uninterrupted(fed_data, method, executor, tmp_path):
+    """On the executor that wrote the checkpoint, the resumed run equals the uninterrupted one to
+    the bit (records with losses, server and client states)."""
+    _, full = cached(fed_data, method, executor)
     ckpt = tmp_path / "checkpoint.pt"
 
     def die(r, row, recs):  # round 0 is checkpointed; the kill lands during round 1
@@ -235,9 +241,9 @@ def test_killed_and_resumed_run_equals_uninterrupted(fed_data, method, tmp_path)
             raise _Kill()
 
     with pytest.raises(_Kill):
-        run(fed_data, method, checkpoint=ckpt, callbacks=[die])
+        run(fed_data, method, executor, checkpoint=ckpt, callbacks=[die])
     assert ckpt.exists()
-    _, resumed = run(fed_data, method, checkpoint=ckpt)
+    _, resumed = run(fed_data, method, executor, checkpoint=ckpt)
     assert resumed.resumed_from == 1
     pd.testing.assert_frame_equal(full.records, resumed.records)
     assert_trees_close(full.server, resumed.server, atol=0)
