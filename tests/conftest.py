@@ -84,6 +84,23 @@ def initial_params(num_classes=4, seed=0):
     return {k: v.detach().clone() for k, v in build_model("cnn4", 3, num_classes, 28).named_parameters()}
 
 
+def batch_plan(n: int, batch_size: int, epochs: int, seed: int, round_idx: int, client: int) -> torch.Tensor:
+    """The batch order of a client's local training written out plainly (the reference
+    :func:`medpfl.fl.program.phase_plan` must give for the phase named ``train``): int64
+    ``[epochs * ceil(n / batch_size), batch_size]`` positions into the client's local train set,
+    each epoch a fresh ``torch.randperm`` from a generator seeded by ``("batches", seed, round,
+    client)``, the last batch of an epoch padded with -1 (``DataLoader(shuffle=True,
+    drop_last=False)``)."""
+    from medpfl.fl.sampling import derive_seed
+
+    steps = -(-n // batch_size)
+    g = torch.Generator().manual_seed(derive_seed("batches", seed, round_idx, client))
+    plan = torch.full((epochs, steps * batch_size), -1, dtype=torch.int64)
+    for e in range(epochs):
+        plan[e, :n] = torch.randperm(n, generator=g)
+    return plan.view(epochs * steps, batch_size)
+
+
 def assert_trees_close(a, b, atol, rtol=0.0):
     if isinstance(a, dict):
         assert a.keys() == b.keys()
