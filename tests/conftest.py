@@ -84,6 +84,23 @@ def initial_params(num_classes=4, seed=0):
     return {k: v.detach().clone() for k, v in build_model("cnn4", 3, num_classes, 28).named_parameters()}
 
 
+def batch_plan(n: int, batch_size: int, epochs: int, seed: int, round_idx: int, client: int) -> torch.Tensor:
+    """The batch order of a client's local training written out plainly (the reference
+    :func:`medpfl.fl.program.phase_plan` must give for the phase named ``train``): int64
+    ``[epochs * ceil(n / batch_size), batch_size]`` positions into the client's local train set,
+    each epoch a fresh ``torch.randperm`` from a generator seeded by ``("batches", seed, round,
+    client)``, the last batch of an epoch padded with -1 (``DataLoader(shuffle=True,
+    drop_last=False)``)."""
+    from medpfl.fl.sampling import derive_seed
+
+    steps = -(-n // batch_size)
+    g = torch.Generator().manual_seed(derive_seed("batches", seed, round_idx, client))
+    plan = torch.full((epochs, steps * batch_size), -1, dtype=torch.int64)
+    for e in range(epochs):
+        plan[e, :n] = torch.randperm(n, generator=g)
+    return plan.view(epochs * steps, batch_size)
+
+
 def assert_trees_close(a, b, atol, rtol=0.0):
     if isinstance(a, dict):
         assert a.keys() == b.keys()
@@ -91,6 +108,34 @@ def assert_trees_close(a, b, atol, rtol=0.0):
             assert_trees_close(a[k], b[k], atol, rtol)
     else:
         torch.testing.assert_close(a, b, atol=atol, rtol=rtol)
+
+
+def record_train_compute_dtypes(algo) -> list[tuple[str, frozenset]]:
+    """Spy on ``algo.train_forward`` (the forward of every local training step): the returned list
+    receives ``(op, the dtypes of its tensor inputs)`` for each convolution and matrix product the
+    forward runs, as the kernels receive them (a dispatch mode sees the physical tensors, also under
+    ``vmap`` and after autocast's casts)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    heavy = {aten.convolution, aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
+    seen: list[tuple[str, frozenset]] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in heavy:
+                seen.append((func.overloadpacket.__name__,
+                             frozenset(t.dtype for t in args if isinstance(t, torch.Tensor))))
+            return func(*args, **(kwargs or {}))
+
+    real = algo.train_forward
+
+    def spy(params, batch):
+        with Record():
+            return real(params, batch)
+
+    algo.train_forward = spy
+    return seen
 
 
 np.set_printoptions(precision=4, suppress=True)

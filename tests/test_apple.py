@@ -45,7 +45,6 @@ def test_defaults_and_program():
     c = algo.cfg
     assert (c.dr_lr, c.dr_lr_decay, c.mu, c.schedule, c.reg_rounds_fraction, c.dr_gradient, c.core_lr_times_k) == \
         (1e-3, False, 1e-3, "cosine", 1.0, "exact", False)
-    assert algo.personalized and not algo.has_global_model and algo.stackable and algo.fedavg_when is None
     rnd = RoundInfo(round=3, rounds=10, lr=0.05, num_clients=7, base_lr=0.1)
     (ph,) = algo.phases(rnd)
     assert ph.name == "train" and dict(ph.trainable) == {"core": None, "dr": None}

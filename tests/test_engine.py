@@ -10,10 +10,9 @@ from medpfl.fl.engine import Engine
 from medpfl.fl.executors import SequentialExecutor
 from medpfl.fl.functional import sgd_step_
 from medpfl.fl.program import Download, Phase, RoundInfo, phase_plan
-from medpfl.fl.sampling import batch_plan, client_schedule
+from medpfl.fl.sampling import client_schedule
 from medpfl.fl.stacked import StackedExecutor
-from medpfl.fl.tree import tree_repeat
-from tests.conftest import assert_trees_close, initial_params, make_algo
+from tests.conftest import assert_trees_close, batch_plan, initial_params, make_algo, record_train_compute_dtypes
 
 PARAM_BYTES = 4 * sum(v.numel() for v in initial_params().values())
 
@@ -36,18 +35,19 @@ def test_stream_schedule_is_seeded_and_distinct_within_round():
     assert client_schedule(7, 0.01, 3).shape == (3, 1)  # at least one client
 
 
-def test_batch_plan_covers_every_sample_once_per_epoch():
-    plan = batch_plan(27, 10, 3, seed=1, round_idx=4, client=2)
+def test_train_plan_covers_every_sample_once_per_epoch():
+    plan = phase_plan(27, 10, 3, 1, 4, 2, Phase())
     assert plan.shape == (9, 10)
     for e in range(3):
         ep = plan[3 * e: 3 * e + 3].reshape(-1)
         assert sorted(ep[ep >= 0].tolist()) == list(range(27))
         assert (ep[27:] == -1).all() and (ep[:27] >= 0).all()
-    assert torch.equal(plan, batch_plan(27, 10, 3, 1, 4, 2))
-    assert not torch.equal(plan, batch_plan(27, 10, 3, 1, 5, 2))
+    assert torch.equal(plan, phase_plan(27, 10, 3, 1, 4, 2, Phase()))
+    assert not torch.equal(plan, phase_plan(27, 10, 3, 1, 5, 2, Phase()))
     assert not torch.equal(plan[:3], plan[3:6])  # a fresh permutation each epoch
-    # the program's plan of the phase named "train" is this plan; other phases draw their own
-    assert torch.equal(phase_plan(27, 10, 3, 1, 4, 2, Phase()), plan)
+    # the phase named "train" follows the plain reference (seeded by seed, round, client); other
+    # phases draw their own
+    assert torch.equal(plan, batch_plan(27, 10, 3, seed=1, round_idx=4, client=2))
     assert not torch.equal(phase_plan(27, 10, 3, 1, 4, 2, Phase(name="personal")), plan)
 
 
@@ -174,7 +174,7 @@ def test_stacked_handles_unequal_client_sizes_exactly(fed_data):
     train = TrainConfig(local_epochs=2, batch_size=16)
     clients = np.arange(fed_data.num_clients)
     g = initial_params()
-    states = tree_repeat({}, len(clients))
+    states = {}  # FedAvg keeps no client state
     rnd = RoundInfo(round=0, rounds=1, lr=0.01, num_clients=len(clients), seed=1)
     a = SequentialExecutor(fed_data, train, 1, 256).train_clients(algo, Download(shared={"model": g}), states, clients, rnd)
     b = StackedExecutor(fed_data, train, 1, 256).train_clients(algo, Download(shared={"model": g}), states, clients, rnd)
@@ -222,7 +222,7 @@ def test_stacked_relayout_changes_at_most_rounding(fed_data, monkeypatch, model)
 
     def run():
         ex = StackedExecutor(fed_data, train, 1, 256)
-        return ex.train_clients(algo, Download(shared={"model": init}), tree_repeat({}, len(clients)), clients, rnd)
+        return ex.train_clients(algo, Download(shared={"model": init}), {}, clients, rnd)
 
     monkeypatch.setattr(stacked, "_like_grad", spy)
     on = run()
@@ -383,3 +383,30 @@ def test_functional_model_unties_only_models_with_shared_tensors():
     w = torch.randn(3, 3)
     x = torch.randn(2, 3)
     torch.testing.assert_close(fwd({"a.weight": w}, x), x @ w.T @ w.T)
+
+
+@pytest.mark.parametrize("executor", [
+    "sequential",
+    pytest.param("stacked", marks=pytest.mark.xfail(
+        strict=True, reason="on the CPU, autocast does not reach the convolutions of a vmapped forward "
+                            "(torch 2.13: aten.convolution under vmap runs in float32; the bias add of a "
+                            "vmapped linear too, pytorch/pytorch#192617)")),
+])
+def test_bf16_computes_the_local_forward_in_bfloat16(fed_data, executor):
+    """``train.precision: bf16`` autocasts the local objective: every convolution and matrix
+    product of the training forward receives bfloat16 tensors (captured inside the step), while the
+    parameters and the aggregated model stay float32. With fp32 they receive float32 (the capture
+    tells the two apart)."""
+    out = {}
+    for precision in ("fp32", "bf16"):
+        algo = make_algo("fedavg")
+        seen = record_train_compute_dtypes(algo)
+        train = TrainConfig(rounds=1, participation=0.4, local_epochs=1, batch_size=32, checkpoint_every=0,
+                            precision=precision)
+        res = Engine(algo, fed_data, train, EvalConfig(), seed=1, executor_kind=executor, fingerprint="test").run()
+        assert {op for op, _ in seen} >= {"convolution"} and len(seen) > 0
+        assert {v.dtype for v in res.server["model"].values()} == {torch.float32}
+        assert np.isfinite(res.records["loss"].to_numpy()).all()
+        out[precision] = {dt for _, dts in seen for dt in dts}
+    assert out["fp32"] == {torch.float32}
+    assert out["bf16"] == {torch.bfloat16}

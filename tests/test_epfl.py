@@ -96,8 +96,6 @@ def _t(*rows):
 def test_defaults_parts_and_upload_spec():
     algo = _algo()
     assert (algo.cfg.lambda_self, algo.cfg.psi, algo.cfg.mixing) == (0.5, "all", "similarity")
-    assert algo.requires_parts == ("lora_A", "lora_B", "head")
-    assert algo.personalized and not algo.has_global_model and algo.stackable and algo.fedavg_when is None
     assert algo.lora_names() == (A_NAMES, B_NAMES)
     assert algo.local_names() == (*B_NAMES, *HEAD)
     spec = algo.upload_spec()

@@ -13,14 +13,13 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import pytest
 import torch
 
 from medpfl.config import EvalConfig, TrainConfig
 from medpfl.fl.engine import Engine, UploadSpecError, check_upload
-from medpfl.io import atomic_path, md5sum
+from medpfl.io import TMP_PREFIX, atomic_path, md5sum
 from medpfl.tracking import RunLogger, TrackingError, init_study
 from tests.conftest import SHARED_BLOOD, initial_params, make_algo, prepare_train_job
 
@@ -51,6 +50,36 @@ def _records(run: Path) -> pd.DataFrame:
     return pd.read_parquet(run / "records.parquet")
 
 
+def _wait_until(condition, proc: subprocess.Popen | None, what: str, timeout: float = 300) -> None:
+    """Poll ``condition()`` (a file-system state) until it holds; fail when ``proc`` exits first or
+    after ``timeout`` seconds (a bound against a hang, not a guess at how long a step takes)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc is not None and proc.poll() is not None:
+            assert condition(), f"the process exited (status {proc.returncode}) before {what}"
+            return
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.01)
+
+
+class _CheckpointWatch:
+    """``rounds()``: the rounds the checkpoint at ``path`` holds (its ``next_round``; 0 while none
+    exists), read again only when the file was replaced (it is written atomically)."""
+
+    def __init__(self, path: Path):
+        self.path, self._stamp, self._rounds = path, None, 0
+
+    def rounds(self) -> int:
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            return 0
+        if (st.st_ino, st.st_mtime_ns) != self._stamp:
+            self._stamp = (st.st_ino, st.st_mtime_ns)
+            self._rounds = torch.load(self.path, weights_only=False)["next_round"]
+        return self._rounds
+
+
 def test_sigkill_mid_round_resumes_to_identical_metrics(job_dir):
     d, job, uri = job_dir
     env = _env(uri)
@@ -58,18 +87,13 @@ def test_sigkill_mid_round_resumes_to_identical_metrics(job_dir):
 
     log = open(d / "killed.log", "w")
     proc = subprocess.Popen(_train_cmd(d, job, "killed"), env=env, stdout=log, stderr=subprocess.STDOUT)
-    # wait until round 3 has finished (checkpoint written), then kill inside round 4
-    deadline = time.time() + 300
-    while "round 3/6" not in (d / "killed.log").read_text():
-        assert proc.poll() is None, (d / "killed.log").read_text()
-        assert time.time() < deadline
-        time.sleep(0.05)
-    t3 = time.time()
-    time.sleep(0.3)  # a round takes about a second here: we are mid-round
-    proc.send_signal(signal.SIGKILL)
-    assert proc.wait() == -signal.SIGKILL
-    assert time.time() - t3 < 5
     killed = d / "killed"
+    # kill as soon as the checkpoint holds 3 rounds: the job is then inside round 4 of 6 (a
+    # checkpoint is written at the end of a round, after its log line)
+    watch = _CheckpointWatch(killed / "checkpoint.pt")
+    _wait_until(lambda: watch.rounds() >= 3, proc, "checkpoint of round 3")
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, (d / "killed.log").read_text()
     assert (killed / "checkpoint.pt").exists() and not (killed / "records.parquet").exists()
     ckpt = torch.load(killed / "checkpoint.pt", weights_only=False)
     assert 3 <= ckpt["next_round"] < 6
@@ -168,13 +192,13 @@ def test_unreachable_tracking_server_fails_before_training(job_dir):
     bad = json.loads((d / "parent.json").read_text())
     bad["tracking_uri"] = "http://127.0.0.1:9"  # discard port: nothing listens
     (d / "bad_parent.json").write_text(json.dumps(bad))
-    t = time.time()
+    # fails fast: no waiting out MLflow's HTTP retries (minutes); the timeout raises if it hangs
     r = subprocess.run(_train_cmd(d, job, "unreach", parent="bad_parent.json"), env=_env(uri), capture_output=True,
-                       text=True)
+                       text=True, timeout=60)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "http://127.0.0.1:9" in r.stderr and "unreachable" in r.stderr
     assert "Traceback" not in r.stderr
-    assert time.time() - t < 60
+    assert "round 1/" not in r.stderr  # no round trained
     assert not (d / "unreach" / "checkpoint.pt").exists() and not (d / "unreach" / "records.parquet").exists()
     with pytest.raises(TrackingError, match="unreachable"):
         init_study("x", "x", d / "p2.json", uri="http://127.0.0.1:9")
@@ -228,19 +252,30 @@ def test_interrupted_atomic_write_leaves_nothing(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not SHARED_BLOOD.exists(), reason="needs the BloodMNIST mirror (a write that takes a while)")
 def test_preprocess_killed_mid_write_never_leaves_a_partial_output(tmp_path):
-    """Kill `medpfl preprocess` on real BloodMNIST at several moments: the output is either absent
-    or complete, and a re-run gives the same bytes as a clean run."""
+    """Kill `medpfl preprocess` on real BloodMNIST at several moments, each recognised on the file
+    system (not guessed from a clock): at once, while the arrays' temporary file is being written,
+    once the arrays are in place, while the sample table's temporary is being written, and after
+    it finished. The output is either absent or complete, and a re-run gives the same bytes as a
+    clean run. (A write faster than the 10 ms poll is killed at the next moment instead.)"""
     clean_a, clean_s = tmp_path / "clean.npz", tmp_path / "clean.samples.parquet"
     cmd = MEDPFL + ["preprocess", "--dataset", "bloodmnist", "--raw", str(SHARED_BLOOD)]
-    t0 = time.time()
     subprocess.run(cmd + ["--out", str(clean_a), "--samples", str(clean_s)], check=True, capture_output=True)
-    duration = time.time() - t0
+
+    def writing(out: Path) -> bool:  # atomic_path's temporary for ``out`` (or ``out`` itself) exists
+        return out.exists() or any(tmp_path.glob(f"{TMP_PREFIX}{out.stem}-*"))
+
     outcomes = []
-    for i, frac in enumerate(np.linspace(0.3, 1.1, 7)):
+    for i, moment in enumerate(["at once", "arrays being written", "arrays in place", "samples being written",
+                                "finished"]):
         a, s = tmp_path / f"k{i}.npz", tmp_path / f"k{i}.samples.parquet"
+        reached = {"at once": lambda: True, "arrays being written": lambda: writing(a), "arrays in place": a.exists,
+                   "samples being written": lambda: writing(s)}
         p = subprocess.Popen(cmd + ["--out", str(a), "--samples", str(s)], stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
-        time.sleep(duration * frac)
+        if moment == "finished":
+            assert p.wait(timeout=600) == 0
+        else:
+            _wait_until(reached[moment], p, moment, timeout=600)
         p.kill()
         p.wait()
         for out, ref in ((a, clean_a), (s, clean_s)):

@@ -173,7 +173,7 @@ def test_the_shared_part_is_the_size_weighted_average_of_the_last_round(traced, 
 
 def test_no_global_model(traced):
     algo, res, log, init = traced
-    assert algo.has_global_model is False and res.global_params is None
+    assert res.global_params is None
     views = set(res.records["view"])
     assert "global_test" not in views and "global_on_local" not in views
     assert {"local_after_training", "personalized_on_local"} <= views

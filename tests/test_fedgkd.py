@@ -46,11 +46,21 @@ def loss_and_grad(algo, student, teacher, x, y, w):
     return loss.item(), gw, gb
 
 
-def test_defaults_and_fedavg_knob():
+def test_defaults():
     algo = make_algo("fedgkd")
     assert algo.cfg.kl_weight == 0.001 and algo.cfg.temperature == 1.0 and algo.cfg.buffer_size == 5
-    assert type(algo).fedavg_when == {"kl_weight": 0.0}
-    assert algo.has_global_model and not algo.personalized and algo.stackable
+
+
+def test_zero_kl_weight_trains_as_fedavg(fed_data):
+    """alpha = 0 (FedGKD's ``fedavg_when``): two engine rounds give FedAvg's records (so the same
+    views: a global model, no personalized one) and global model, and no teacher is sent (FedAvg's
+    download bytes)."""
+    from tests.test_contract import assert_trains_as_fedavg, cached
+
+    assert_trains_as_fedavg(fed_data, "fedgkd", kl_weight=0.0)
+    _, avg = cached(fed_data, "fedavg")
+    _, red = cached(fed_data, "fedgkd", kl_weight=0.0)
+    assert red.rounds["bytes_down"].tolist() == avg.rounds["bytes_down"].tolist()
 
 
 @pytest.mark.parametrize("alpha", [0.001, 0.5])

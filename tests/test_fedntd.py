@@ -89,10 +89,16 @@ def test_ntd_loss_is_zero_when_global_logits_equal_local_logits():
     assert ntd_loss(logits, other, y, w, 2.0).item() == pytest.approx(0.0, abs=1e-12)
 
 
-def test_defaults_and_fedavg_knob():
+def test_defaults():
     algo = make_algo("fedntd")
     assert algo.cfg.tau == 1.0 and algo.cfg.beta == 1.0
-    assert type(algo).fedavg_when == {"beta": 0.0}
+
+
+def test_zero_beta_trains_as_fedavg(fed_data):
+    """beta = 0 (FedNTD's ``fedavg_when``): two engine rounds give FedAvg's records and global model."""
+    from tests.test_contract import assert_trains_as_fedavg
+
+    assert_trains_as_fedavg(fed_data, "fedntd", beta=0.0)
 
 
 def _batch(algo, glob, n=6, pad=2):

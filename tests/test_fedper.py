@@ -44,7 +44,6 @@ def test_only_the_body_crosses(run):
 
 def test_no_global_model(run, fed_data):
     algo, res, init = run
-    assert algo.has_global_model is False and algo.personalized is True
     assert res.global_params is None and algo.global_model(res.server) is None
     views = set(res.records["view"])
     assert "global_test" not in views and "global_on_local" not in views

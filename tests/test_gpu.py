@@ -2,7 +2,8 @@
 
 FedAvg and FedKPer for three rounds on the synthetic set: the CPU sequential executor (the
 reference), the CUDA sequential and the CUDA stacked executor (what ``executor: auto`` picks on
-a GPU) give the same accuracies within float tolerance, and bf16 autocast runs and stays close.
+a GPU) give the same accuracies within float tolerance, and bf16 autocast runs in bfloat16 (the
+dtypes the training forward's convolutions and matrix products receive) and stays close.
 """
 
 from __future__ import annotations
@@ -14,17 +15,21 @@ import torch
 from medpfl.config import EvalConfig, TrainConfig
 from medpfl.fl.data import FederatedData
 from medpfl.fl.engine import Engine
-from tests.conftest import make_algo
+from tests.conftest import make_algo, record_train_compute_dtypes
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def _run(processed, table, method, device, executor, precision="fp32"):
+def _run(processed, table, method, device, executor, precision="fp32", seen=None):
+    """The run's records; ``seen`` (a list) receives the dtypes the training forward's convolutions
+    and matrix products compute in (:func:`~tests.conftest.record_train_compute_dtypes`)."""
     data = FederatedData.build(processed, table, torch.device(device))
     train = TrainConfig(rounds=3, participation=0.6, local_epochs=1, batch_size=16, checkpoint_every=0,
                         device=device, precision=precision)
-    eng = Engine(make_algo(method), data, train, EvalConfig(every=1), seed=1, executor_kind=executor,
-                 fingerprint="gpu-test")
+    algo = make_algo(method)
+    if seen is not None:
+        seen.append(record_train_compute_dtypes(algo))
+    eng = Engine(algo, data, train, EvalConfig(every=1), seed=1, executor_kind=executor, fingerprint="gpu-test")
     return eng.run().records
 
 
@@ -49,7 +54,11 @@ def test_cuda_executors_match_the_cpu_reference(synthetic_processed, table, meth
 
 
 def test_bf16_autocast_runs_and_stays_close(synthetic_processed, table):
-    ref = _run(synthetic_processed, table, "fedavg", "cuda", "stacked")
-    got = _run(synthetic_processed, table, "fedavg", "cuda", "stacked", precision="bf16")
+    seen: list = []
+    ref = _run(synthetic_processed, table, "fedavg", "cuda", "stacked", seen=seen)
+    got = _run(synthetic_processed, table, "fedavg", "cuda", "stacked", precision="bf16", seen=seen)
+    # the training forward's convolutions and matrix products ran in the precision asked for
+    fp32, bf16 = ({dt for _, dts in s for dt in dts} for s in seen)
+    assert fp32 == {torch.float32} and bf16 == {torch.bfloat16}
     assert np.isfinite(got["loss"].to_numpy()).all()
     assert abs(got["accuracy"].mean() - ref["accuracy"].mean()) <= 0.05

@@ -83,7 +83,14 @@ def test_no_gradient_into_global_and_previous_features():
 def test_defaults_are_the_papers():
     algo = make_algo("moon")
     assert algo.cfg.mu == 5.0 and algo.cfg.tau == 0.5
-    assert type(algo).fedavg_when == {"mu": 0.0}
+
+
+def test_zero_mu_trains_as_fedavg(fed_data):
+    """mu = 0 (the paper's knob; MOON's ``fedavg_when``): two engine rounds give FedAvg's records and
+    global model."""
+    from tests.test_contract import assert_trains_as_fedavg
+
+    assert_trains_as_fedavg(fed_data, "moon", mu=0.0)
 
 
 def _context(algo, glob, prev, batch):

@@ -52,13 +52,11 @@ def client_loss_and_grad(algo, theta, teacher, x, y, w):
 
 
 # ----- defaults ------------------------------------------------------------------------------
-def test_defaults_capabilities_and_no_fedavg_reduction():
+def test_defaults_and_phase():
     algo = make_algo("pfedkdwcl")
     c = algo.cfg
     assert (c.gamma, c.local_steps, c.theta_init, c.server_weighting, c.server_lr, c.legacy_last_client_grad) == \
         (0.1, 20, "persistent", "uniform", None, False)
-    assert type(algo).fedavg_when is None
-    assert algo.has_global_model and algo.personalized and algo.aggregates and algo.stackable
     assert "Algorithms 2025" in algo.paper and "Hu" in algo.paper
     (ph,) = algo.phases(RND)
     assert ph.name == "train" and dict(ph.trainable) == {"theta": None} and ph.steps == 20
@@ -207,8 +205,8 @@ def test_finish_uploads_the_gradient_and_keeps_theta():
     # an upload carrying theta is refused by the upload check
     stacked = {"grad": {k: v.unsqueeze(0) for k, v in g.items()}, "num_samples": torch.ones(1)}
     check_upload(algo.name, algo.upload_spec(), stacked, 1)
+    leak = {**stacked, "theta": {k: v.unsqueeze(0) for k, v in theta.items()}}
     with pytest.raises(UploadSpecError):
-        leak = {**stacked, "theta": {k: v.unsqueeze(0) for k, v in theta.items()}}
         check_upload(algo.name, algo.upload_spec(), leak, 1)
 
 

@@ -13,9 +13,8 @@ from medpfl.config import EvalConfig, TrainConfig
 from medpfl.fl.engine import Engine
 from medpfl.fl.executors import SequentialExecutor
 from medpfl.fl.program import Download, RoundInfo
-from medpfl.fl.sampling import batch_plan
 from medpfl.models import build_model
-from tests.conftest import assert_trees_close, make_algo
+from tests.conftest import assert_trees_close, batch_plan, make_algo
 
 
 def _plain_local_training(module: nn.Module, data, client: int, train: TrainConfig, seed: int, round_idx: int,

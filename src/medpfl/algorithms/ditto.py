@@ -32,7 +32,9 @@ class DittoConfig(MethodConfig):
     as the global one (official code); an integer: PFLlib's ``plocal_epochs``."""
 
     lam: float = Field(1.0, ge=0.0, description="proximal weight of the personal objective (paper, scripts)")
-    personal_epochs: int | None = Field(None, ge=1, description="None = same steps and batches as the global model")
+    personal_epochs: int | None = Field(
+        None, ge=1, description="None = same steps and batches as the global model (official code); an integer: "
+                                "that many personal epochs after the global ones (PFLlib plocal_epochs)")
 
 
 class Ditto(Algorithm):

@@ -43,8 +43,8 @@ class FedASConfig(MethodConfig):
     align_lr: float = Field(0.01, gt=0.0, description="alignment SGD lr (official clientas.py)")
     align_epochs: int = Field(1, ge=0, description="alignment epochs (official clientas.py)")
     align_batch_size: int = Field(16, ge=1, description="prototype/alignment batch size (official clientas.py)")
-    use_alignment: bool = Field(True, description="false: plain copy of the global body (--wo_local)")
-    use_fisher_weights: bool = Field(True, description="false: size-weighted FedAvg (--wo_global)")
+    use_alignment: bool = Field(True, description="false: plain copy of the global body (official --wo_local ablation)")
+    use_fisher_weights: bool = Field(True, description="false: size-weighted FedAvg (official --wo_global ablation)")
 
 
 def prototype_alignment_loss(z: torch.Tensor, y: torch.Tensor, valid: torch.Tensor, proto: torch.Tensor,

@@ -40,8 +40,10 @@ class FedCurvConfig(MethodConfig):
     fisher_batch_size: None = the train batch size (that code uses its train loader)."""
 
     lam: float = Field(1.0, ge=0.0, description="penalty weight lambda (FedNTD config/fedcurv.json)")
-    fisher_samples: int = Field(500, ge=1, description="Fisher from mini-batches until more than this many samples")
-    fisher_batch_size: int | None = Field(None, ge=1, description="None = train.batch_size")
+    fisher_samples: int = Field(500, ge=1, description="Fisher from mini-batches until more than this many samples "
+                                                       "(FedNTD config/fedcurv.json)")
+    fisher_batch_size: int | None = Field(
+        None, ge=1, description="None = train.batch_size (FedNTD code ClientTrainer.py: its train loader)")
 
 
 def curvature_penalty(params: Params, p: Params, q: Params) -> torch.Tensor:

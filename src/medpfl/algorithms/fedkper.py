@@ -36,11 +36,12 @@ class FedKPerConfig(MethodConfig):
     """Defaults from the paper (Section 3.2). The authors' code differs in two places, set in
     ``config/fedkper-paper.yaml``: no gradient clipping, and eps = 1e-6 in the score (eq. 6)."""
 
-    lambda_cap: float = Field(10.0, gt=0.0, description="upper bound of the adaptive KD weight lambda")
+    lambda_cap: float = Field(10.0, gt=0.0, description="cap on the adaptive KD weight lambda (paper Sec. 3.2)")
     tau: float = Field(1.0, gt=0.0, description="distillation temperature (code: 1)")
     score_eps: float = Field(1e-12, ge=0.0, description="eps in p_k = A_k (eps + d_k), eq. 6 (code: 1e-6)")
-    entropy_eps: float = Field(1e-12, ge=0.0, description="eps in eq. 4-5")
-    clip_grad_norm: float | None = Field(5.0, gt=0.0, description="max global grad norm per local step; null = off")
+    entropy_eps: float = Field(1e-12, ge=0.0, description="eps in eq. 4-5 (paper Sec. 3.2: 1e-12 throughout)")
+    clip_grad_norm: float | None = Field(
+        5.0, gt=0.0, description="max global grad norm per local step (paper Sec. 3.2: 5); null = off (authors' code)")
     use_kd: bool = Field(True, description="knowledge personalization (eq. 3); false = plain CE ('Agg only')")
     use_score_aggregation: bool = Field(True, description="score weights (eq. 6); false = size weights ('KD only')")
 

@@ -50,7 +50,7 @@ from pydantic import Field
 from medpfl.algorithms.base import Algorithm, MethodConfig
 from medpfl.algorithms.pfedkdwcl import random_model_state
 from medpfl.fl.functional import Params, clone_params, weighted_average, weighted_ce
-from medpfl.fl.payload import ArraySpec, LowRank, TreeSpec, decode_tree, encode_tree, matrix_view, payload_nbytes
+from medpfl.fl.payload import ArraySpec, LowRank, TreeSpec, decode_tree, encode_tree, matrix_view
 from medpfl.fl.program import Download, Federation, Phase, RoundInfo
 from medpfl.fl.sampling import derive_seed
 
@@ -133,23 +133,6 @@ def dual_kd_terms(h_t, z_t, h_s, z_s, y, w, w_aux_t=None, w_aux_s=None, *, repre
     loss_s = task_s + dec_s + rep_s
     return {"task_t": task_t, "task_s": task_s, "D": d, "rep_t": rep_t, "rep_s": rep_s, "dec_t": dec_t,
             "dec_s": dec_s, "loss_t": loss_t, "loss_s": loss_s, "total": loss_t + loss_s}
-
-
-def comm_fraction(payload: dict[str, Any], shapes: dict[str, tuple[int, ...]], itemsize: int = 4) -> float:
-    """Bytes of a (stacked) update payload over the bytes of the same tensors sent dense (the
-    spec's ``comm_up`` of A.13, counting the ranks too): the compression ratio of a round. The
-    engine logs ``bytes_up``; this ratio is ``bytes_up / (num_sampled * dense bytes)``."""
-    m = None
-    for v in payload.values():
-        lead = v.u.shape[:-2] if isinstance(v, LowRank) else None
-        if lead is not None:
-            m = int(torch.tensor(lead).prod()) if len(lead) else 1
-            break
-    if m is None:
-        k, v = next(iter(payload.items()))
-        m = v.numel() // max(1, int(torch.tensor(shapes[k]).prod()))
-    dense = sum(int(torch.tensor(shapes[k]).prod()) for k in payload) * itemsize * m
-    return payload_nbytes(payload) / dense
 
 
 def payload_noise(payload: dict[str, Any], shapes: dict[str, tuple[int, ...]], std: float,

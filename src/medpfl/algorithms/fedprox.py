@@ -21,7 +21,8 @@ class FedProxConfig(MethodConfig):
     """mu: proximal weight. Default 1.0: the paper's best value for its image tasks (MNIST,
     FEMNIST; Section 5.3 and Fig. 2), and the FedKPer authors' baseline config. mu = 0 is FedAvg."""
 
-    mu: float = Field(1.0, ge=0.0)
+    mu: float = Field(1.0, ge=0.0, description="proximal weight (paper Sec. 5.3 / Fig. 2, its image tasks; "
+                                                "FedKPer authors' baseline config); 0 = FedAvg")
 
 
 class FedProx(Algorithm):

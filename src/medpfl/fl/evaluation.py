@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from typing import Callable
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from medpfl.fl.data import FederatedData
 from medpfl.fl.functional import Params
+from medpfl.metrics import balanced_accuracy
 
 
 @torch.no_grad()
@@ -57,7 +57,6 @@ def records_from_counts(round_idx: int, view: str, client_ids: list[int], correc
     rows = []
     for g, cid in enumerate(client_ids):
         n = count[g].sum()
-        present = count[g] > 0
         rows.append({
             "round": round_idx,
             "view": view,
@@ -65,14 +64,7 @@ def records_from_counts(round_idx: int, view: str, client_ids: list[int], correc
             "n_samples": int(n),
             "correct": int(round(correct[g].sum())),
             "accuracy": float(correct[g].sum() / n),
-            "balanced_accuracy": float(np.mean(correct[g][present] / count[g][present])),
+            "balanced_accuracy": balanced_accuracy(correct[g], count[g]),
             "loss": float(loss[g] / n),
         })
     return rows
-
-
-@torch.no_grad()
-def accuracy(forward: Callable, params: Params, data: FederatedData, ids: torch.Tensor, batch_size: int) -> torch.Tensor:
-    """Plain accuracy (float32 scalar tensor, on the device) of one model on ``ids``."""
-    correct, count, _ = eval_groups(forward, params, data, [ids], batch_size)
-    return (correct.sum() / count.sum()).to(torch.float32)

@@ -7,7 +7,7 @@ Parameters are ``dict[str, Tensor]`` (``Params``). Every function is written so 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -209,13 +209,6 @@ def weighted_average(stacked: Params, weights: torch.Tensor) -> Params:
             w = weights.to(torch.float64).view(-1, *([1] * (v.dim() - 1)))
             out[k] = torch.round(torch.sum(w * v.to(torch.float64), dim=0)).to(v.dtype)
     return out
-
-
-def payload_nbytes(obj: Any) -> int:
-    """See :func:`medpfl.fl.payload.payload_nbytes`."""
-    from medpfl.fl.payload import payload_nbytes as _n
-
-    return _n(obj)
 
 
 def weighted_kl(target_logits: torch.Tensor, logits: torch.Tensor, w: torch.Tensor, tau: float = 1.0) -> torch.Tensor:

@@ -224,8 +224,8 @@ def phase_plan(n: int, batch_size: int, epochs: int, seed: int, round_idx: int, 
     its local train set, -1 on padding (``DataLoader(drop_last=False)`` semantics).
 
     Each epoch is a fresh ``torch.randperm`` from a generator keyed by (seed, round, client) for
-    the phase named ``train`` (the plan of :func:`medpfl.fl.sampling.batch_plan`) and by
-    (seed, round, client, name) for any other; ``shuffle=False`` keeps the stored order.
+    the phase named ``train`` and by (seed, round, client, name) for any other; ``shuffle=False``
+    keeps the stored order.
     ``subset`` < 1 takes a contiguous window of ``int(subset * n)`` positions at a seeded random
     offset, the same window every epoch. ``steps`` truncates or cycles the epochs' batches.
     """

@@ -3,8 +3,9 @@ order of each client's mini-batches.
 
 Separate random streams: the partition (``partitions.<name>.seed``), the client schedule
 (this module, ``train.sampling``), the weight initialisation (``torch.manual_seed(seed)``)
-and each client's batch order (:func:`batch_plan`, keyed by seed, round and client, so a
-resumed run and both executors draw identical batches without carrying generator state).
+and each client's batch order (:func:`medpfl.fl.program.phase_plan`, keyed by seed, round and
+client, so a resumed run and both executors draw identical batches without carrying generator
+state).
 """
 
 from __future__ import annotations
@@ -62,21 +63,3 @@ def seeded_cpu_rng(*parts: int | str) -> Iterator[None]:
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(derive_seed(*parts))
         yield
-
-
-def batch_plan(n: int, batch_size: int, epochs: int, seed: int, round_idx: int, client: int) -> torch.Tensor:
-    """Mini-batch positions for one client's local training in one round.
-
-    Returns int64 ``[epochs * ceil(n / batch_size), batch_size]`` of positions into the
-    client's local train set; each epoch is a fresh permutation (``torch.randperm`` from a
-    generator seeded by ``(seed, round, client)``); the last batch of an epoch is partial and
-    padded with -1 (PyTorch ``DataLoader(shuffle=True, drop_last=False)`` semantics).
-    """
-    if n < 1:
-        raise ValueError(f"client {client} has no local train samples")
-    steps = -(-n // batch_size)
-    g = torch.Generator().manual_seed(derive_seed("batches", seed, round_idx, client))
-    plan = torch.full((epochs, steps * batch_size), -1, dtype=torch.int64)
-    for e in range(epochs):
-        plan[e, :n] = torch.randperm(n, generator=g)
-    return plan.view(epochs * steps, batch_size)

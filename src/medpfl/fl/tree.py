@@ -63,11 +63,6 @@ def tree_scatter(tree: Any, idx: torch.Tensor, values: Any, where: str = "client
     return out
 
 
-def tree_repeat(tree: Any, k: int) -> Any:
-    """K independent copies of a tree along a new leading dim."""
-    return tree_map(lambda t: t.unsqueeze(0).repeat(k, *([1] * t.dim())).clone(), tree)
-
-
 def tree_clone(tree: Any) -> Any:
     """Detached copies with their own contiguous memory (also of expanded views)."""
     return tree_map(lambda t: t.detach().clone(memory_format=torch.contiguous_format), tree)
