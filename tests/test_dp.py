@@ -93,10 +93,11 @@ def test_opacus_rdp_analysis_reproduces_its_docstring_example():
 
 
 def test_full_participation_epsilon_by_hand():
-    """q = 1 (every client every round): T rounds of the Gaussian mechanism have RDP α T / (2 z²)
-    (Mironov 2017, Prop. 7 and composition), converted to (ε, δ) by Balle et al. 2020, Thm 21
-    (opacus' conversion): ε = min_α [α T/(2 z²) + log((α-1)/α) - (log δ + log α)/(α - 1)] over
-    opacus' default orders 1.1, 1.2, ..., 10.9, 12, ..., 63."""
+    """q = 1 (every client every round): the Gaussian mechanism with sensitivity 1 and std z has
+    RDP α / (2 z²) at order α (Mironov, "Rényi Differential Privacy", CSF 2017), T rounds compose
+    additively to α T / (2 z²), converted to (ε, δ) by Balle et al. 2020, Thm 21 (opacus'
+    conversion): ε = min_α [α T/(2 z²) + log((α-1)/α) - (log δ + log α)/(α - 1)] over opacus'
+    default orders 1.1, 1.2, ..., 10.9, 12, ..., 63."""
     z, t, delta = 2.0, 10, 1e-5
     alphas = np.array([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)), dtype=np.float64)
     eps = alphas * t / (2 * z * z) + np.log((alphas - 1) / alphas) - (np.log(delta) + np.log(alphas)) / (alphas - 1)
