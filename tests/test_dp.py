@@ -350,8 +350,8 @@ def test_round_scalars_log_epsilon_live():
     from medpfl.train import round_scalars
 
     row = {"lr": 0.1, "bytes_up": 8, "bytes_down": 8, "round_seconds": 1.0, "train_seconds": 1.0}
-    assert round_scalars([], {**row, "epsilon": 0.7})["epsilon"] == 0.7
-    assert "epsilon" not in round_scalars([], row)
+    assert round_scalars([], {**row, "epsilon": 0.7})["dp_epsilon"] == 0.7
+    assert "dp_epsilon" not in round_scalars([], row) and "epsilon" not in round_scalars([], {**row, "epsilon": 0.7})
 
 
 def test_report_shows_epsilon_only_where_a_run_has_it(tmp_path):
@@ -370,3 +370,39 @@ def test_report_shows_epsilon_only_where_a_run_has_it(tmp_path):
     col = next(c for c in t.columns if c.startswith("DP ε"))
     assert t[col].tolist() == ["—", "2.000 ± 0.000"] and t[DP_DELTA].tolist() == ["—", "1e-05"]
     assert plain_caption(t).startswith(DP_NOTE)
+
+
+def test_train_and_evaluate_record_epsilon_end_to_end(tmp_path):
+    """``medpfl train`` + ``evaluate`` on a DP job: ε per round in rounds.parquet (= a direct
+    accountant call at q = m/K), round_metrics.csv and live MLflow (``dp_epsilon``); the summary's ``epsilon`` (last
+    round) and ``dp_delta``, the ``privacy`` statement in metrics.json and as an MLflow tag."""
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    from medpfl.evaluate import evaluate_run
+    from medpfl.train import run_training
+    from tests.conftest import prepare_train_job
+
+    dp = {**DP, "delta": 1e-2}
+    job, uri = prepare_train_job(tmp_path, method="fedavg", study="dp", num_clients=4,
+                                 train={"rounds": 2, "participation": 0.5, "local_epochs": 1, "batch_size": 16,
+                                        "model": "mlp", "model_args": MLP, "dp": dp})
+    assert job["train"]["dp"] == {**dp, "accountant": "rdp"}
+    out = tmp_path / "run"
+    run_training(job, tmp_path / "arrays.npz", tmp_path / "samples.parquet", tmp_path / "partition.parquet", out,
+                 parent_file=tmp_path / "parent.json")
+    rounds = pd.read_parquet(out / "rounds.parquet")
+    expect = [dp_epsilon(1.0, 2 / 4, r + 1, 1e-2) for r in range(2)]
+    assert rounds["epsilon"].tolist() == expect and expect[0] < expect[1]
+    summary = evaluate_run(out)
+    assert summary["epsilon"] == expect[-1] and summary["dp_delta"] == 1e-2
+    assert pd.read_csv(out / "round_metrics.csv")["epsilon"].tolist() == pytest.approx(expect, rel=1e-12)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["privacy"].startswith("DP-FedAvg") and "Poisson" in metrics["privacy"]
+    client = MlflowClient(uri)
+    run_id = json.loads((out / "mlflow_run.json").read_text())["run_id"]
+    assert sorted((m.step, m.value) for m in client.get_metric_history(run_id, "dp_epsilon")) == [
+        (0, expect[0]), (1, expect[1])]  # live, per round
+    assert [m.value for m in client.get_metric_history(run_id, "epsilon")] == [expect[-1]]  # the summary
+    assert client.get_run(run_id).data.tags["privacy"] == metrics["privacy"]
