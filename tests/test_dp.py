@@ -177,10 +177,11 @@ def test_job_description_unchanged_without_the_keys():
 
 
 def test_config_refusals_name_the_key():
-    with pytest.raises(ValueError, match="low_rank must be the last"):
-        TrainConfig(upload=[{"name": "low_rank", "energy": 0.9}, {"name": "clip", "max_norm": 1.0}])
-    with pytest.raises(ValueError, match="gaussian cannot be combined with dp"):
-        TrainConfig(dp=DP, upload=[{"name": "gaussian", "std": 0.1}])
+    with pytest.raises(ParamsError, match=r"  - train\.upload: low_rank must be the last transform"):
+        validate_params(_params(train={"upload": [{"name": "low_rank", "energy": 0.9}, {"name": "clip", "max_norm": 1}]}))
+    with pytest.raises(ParamsError, match=r"method_params\.a\.train\.dp: cannot be combined with a gaussian upload"):
+        validate_params(_params("a", train={"dp": DP}, method_params={
+            "a": {"algorithm": "fedavg", "train": {"upload": [{"name": "gaussian", "std": 0.1}]}}}))
     with pytest.raises(ValueError, match="Field required"):
         TrainConfig(dp={"clip_norm": 1.0})  # a privacy setting has no default
     with pytest.raises(ParamsError) as e:

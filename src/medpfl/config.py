@@ -836,18 +836,24 @@ class TrainConfig(_Strict):
                 out.pop("dp")
         return out
 
-    @model_validator(mode="after")
-    def _upload_chain(self) -> "TrainConfig":
-        """``low_rank`` at most once and last in ``upload`` (the other transforms act on dense
-        tensors); with ``dp``, no ``gaussian`` in ``upload`` (DP-FedAvg's noise is the server's,
-        and ε is computed for that mechanism alone)."""
-        names = [t.name for t in self.upload]
+    @field_validator("upload")
+    @classmethod
+    def _upload_chain(cls, v: list) -> list:
+        """``low_rank`` at most once and last (the other transforms act on dense tensors)."""
+        names = [t.name for t in v]
         if "low_rank" in names[:-1]:
-            raise ValueError("upload: low_rank must be the last transform (and appear once)")
-        if self.dp is not None and "gaussian" in names:
-            raise ValueError("upload: gaussian cannot be combined with dp (DP-FedAvg adds its noise at the server and "
-                             "its ε is computed for that noise alone); remove one of them")
-        return self
+            raise ValueError(f"low_rank must be the last transform and appear once (got {' -> '.join(names)})")
+        return v
+
+    @field_validator("dp")
+    @classmethod
+    def _dp_without_client_noise(cls, v: DPConfig | None, info) -> DPConfig | None:
+        """With ``dp``, no ``gaussian`` in ``upload``: DP-FedAvg's noise is the server's, and ε is
+        computed for that mechanism alone."""
+        if v is not None and any(t.name == "gaussian" for t in info.data.get("upload") or []):
+            raise ValueError("cannot be combined with a gaussian upload transform (DP-FedAvg adds its noise at the "
+                             "server and its ε is computed for that noise alone); remove one of them")
+        return v
 
     @field_validator("device")
     @classmethod

@@ -45,13 +45,14 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 
 from medpfl.config import DPConfig, ParamsError, TrainConfig
 from medpfl.fl.payload import ArraySpec, Spec, TreeSpec
 from medpfl.fl.sampling import derive_seed
 from medpfl.fl.upload import (UploadContext, UploadTransform, chain, clients_tuple, clip_by_norm, from_config,
-                              gaussian_tree, join_update, split_update)
+                              gaussian_tree, join_update, split_update, wide)
 
 #: Why a method that declares no model upload cannot take ``train.dp`` / ``train.upload`` (by
 #: registered name, also for subclasses); others get the generic reason.
@@ -116,7 +117,8 @@ def dp_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: f
         raise ValueError(f"unknown accountant {accountant!r}; known: rdp, prv")
     for _ in range(int(steps)):
         acc.step(noise_multiplier=noise_multiplier, sample_rate=sample_rate)
-    return float(acc.get_epsilon(delta=delta))
+    with np.errstate(divide="ignore"):  # PRV at q = 1 takes log(1 - q) = -inf on its way (harmless)
+        return float(acc.get_epsilon(delta=delta))
 
 
 class DPFedAvg:
@@ -144,16 +146,17 @@ class DPFedAvg:
 
     def private_mean(self, updates: Mapping[str, torch.Tensor], seed: int, round_idx: int) -> dict[str, torch.Tensor]:
         """``(Σ_k Δ̃_k) / m + N(0, σ² I)`` per leaf from the clipped, decoded stacked updates
-        (leaves [m, ...], floating point), computed in float64 and returned in each leaf's dtype
-        and device. Raises ValueError when the updates do not hold m rows."""
+        (leaves [m, ...], floating point), computed in float64 (float32 on MPS) and returned in
+        each leaf's dtype and device. Raises ValueError when the updates do not hold m rows."""
         shapes = {k: tuple(v.shape[1:]) for k, v in updates.items()}
         noise = self.noise(shapes, seed, round_idx)
         out = {}
         for k, v in updates.items():
             if v.shape[0] != self.per_round:
                 raise ValueError(f"DP-FedAvg: {v.shape[0]} updates of {k!r}, expected the round's {self.per_round}")
-            mean = v.to(torch.float64).sum(0) / self.per_round
-            out[k] = (mean + noise[k].to(v.device)).to(v.dtype)
+            dt = wide(v.device)
+            mean = v.to(dt).sum(0) / self.per_round
+            out[k] = (mean + noise[k].to(dt).to(v.device)).to(v.dtype)
         return out
 
     def epsilon(self, rounds: int) -> float:
@@ -168,10 +171,12 @@ class UploadPipeline:
 
     :meth:`send` (as if at each client): Δ_k = upload − reference, the chain of transforms on it
     (with DP: the clip to S first), and the payload that crosses: the transformed update and,
-    without DP, the weight entries as they are. :meth:`wire_spec`: the upload spec of that payload
+    without DP, the weight entries as they are. ``wire_spec``: the upload spec of that payload
     (the update's ``TreeSpec``, compressed where the chain compresses). :meth:`receive` (at the
     server): the decoded updates, added back to the reference, as the method's uploads; with DP
-    the private mean in every row and weights of 1."""
+    the private mean in every row and weights of 1. Raises ValueError when the method's
+    ``upload_spec`` does not match its declaration (the upload a dense ``TreeSpec``, each weight
+    an ``ArraySpec``, no other key)."""
 
     def __init__(self, decl: Any, spec: Mapping[str, Spec], transform: UploadTransform,
                  dp: DPFedAvg | None = None):
@@ -199,6 +204,9 @@ class UploadPipeline:
         """The payload the m clients send: ``{upload: transformed Δ, **weights (without DP)}``.
         ``shared``: the round's shared download (holds the reference); ``clients``: the uploading
         clients' ids in row order."""
+        if self.decl.reference not in shared:
+            raise ValueError(f"model_upload: the reference {self.decl.reference!r} is not in the shared download "
+                             f"({sorted(shared)})")
         delta = split_update(uploads[self.decl.upload], shared[self.decl.reference])
         ctx = UploadContext(int(seed), int(round_idx), clients_tuple(clients))
         out = {self.decl.upload: self.transform.encode(delta, ctx)}

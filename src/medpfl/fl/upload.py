@@ -72,18 +72,25 @@ def _identity(tree: Tree, shapes: Mapping[str, tuple[int, ...]]) -> Tree:
     return tree
 
 
+def wide(device: torch.device) -> torch.dtype:
+    """The dtype the transforms' arithmetic runs in: float64, float32 on MPS (which has no float64)."""
+    return torch.float32 if torch.device(device).type == "mps" else torch.float64
+
+
 def _floats(tree: Mapping[str, Any]) -> list[str]:
     return [k for k, v in tree.items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
 
 
 def update_norms(tree: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The L2 norm of each row of a stacked update tree, flat over its floating-point leaves:
-    float64 [m] (``sqrt(sum over leaves and entries of x^2)``, accumulated in float64). Raises
+    float64 [m] (``sqrt(sum over leaves and entries of x^2)``, accumulated in float64; float32 on
+    MPS), on the leaves' device. Raises
     ValueError when the tree has no floating-point leaf."""
     names = _floats(tree)
     if not names:
         raise ValueError("upload transform: the update has no floating-point tensor to take a norm of")
-    sq = sum(tree[k].to(torch.float64).pow(2).reshape(tree[k].shape[0], -1).sum(1) for k in names)
+    dt = wide(tree[names[0]].device)
+    sq = sum(tree[k].to(dt).pow(2).reshape(tree[k].shape[0], -1).sum(1) for k in names)
     return torch.sqrt(sq)
 
 
@@ -109,7 +116,7 @@ def clip_by_norm(max_norm: float) -> UploadTransform:
         for k in _floats(tree):
             v = tree[k]
             scale = f.to(v.device).view(-1, *([1] * (v.dim() - 1)))
-            out[k] = (v.to(torch.float64) * scale).to(v.dtype)  # a factor of 1.0 returns v exactly
+            out[k] = (v.to(scale.dtype) * scale).to(v.dtype)  # a factor of 1.0 returns v exactly
         return out
 
     return UploadTransform(f"clip({max_norm:g})", encode, _identity)
@@ -142,8 +149,9 @@ def gaussian_noise(std: float, stream: str = "upload-noise") -> UploadTransform:
                                      derive_seed(stream, ctx.seed, ctx.round, int(c))))
         for k in names:
             v = tree[k]
-            noise = torch.stack([r[k] for r in rows]).to(v.device)
-            out[k] = (v.to(torch.float64) + noise).to(v.dtype)
+            dt = wide(v.device)
+            noise = torch.stack([r[k] for r in rows]).to(dt).to(v.device)
+            out[k] = (v.to(dt) + noise).to(v.dtype)
         return out
 
     return UploadTransform(f"gaussian({std:g})", encode, _identity)
@@ -234,5 +242,5 @@ def clients_tuple(clients: Any) -> tuple[int, ...]:
     return tuple(int(c) for c in np.asarray(clients).reshape(-1))
 
 
-__all__ = ["UploadContext", "UploadTransform", "chain", "clip_by_norm", "clip_factors", "gaussian_tree", "from_config",
-           "gaussian_noise", "join_update", "low_rank", "split_update", "update_norms"]
+__all__ = ["UploadContext", "UploadTransform", "chain", "clip_by_norm", "clip_factors", "from_config", "gaussian_noise",
+           "gaussian_tree", "join_update", "low_rank", "split_update", "update_norms", "wide"]
