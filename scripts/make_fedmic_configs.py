@@ -228,8 +228,9 @@ write_paper("fedmic-dp", "Table 9 (DP noise scale τ, λ = 0.1, 10 % participati
             blocks={"FedAvg": ["fedavg-p0.1"] + [f"fedavg-dp{t}-p0.1" for t in TAUS.values()],
                     "FedMIC": ["fedmic-p0.1"] + [f"fedmic-dp{t}-p0.1" for t in TAUS.values()]},
             extra="# fedmic-dp<τ>: τ N(0, 1) on every transmitted float (A.7 READING; noise injection, no clipping and\n"
-                  "# no accounting: not an (ε, δ) guarantee). The fedavg-dp<τ> rows are data only: FedAvg has no noise\n"
-                  "# switch yet. The paper's \"Mean Variation\" rows are left out (computed inconsistently, A.12):\n"
+                  "# no accounting: not an (ε, δ) guarantee). fedavg-dp<τ>: τ N(0, 1) added by each client to its\n"
+                  "# uploaded weights (A.7 READING for FedAvg: \"the full uploaded weights\"; train.upload: gaussian),\n"
+                  "# likewise no (ε, δ). The paper's \"Mean Variation\" rows are left out (computed inconsistently, A.12):\n"
                   "# FedAvg's is acc(without) - mean over τ, FedMIC's acc(without) - acc(τ = 5e-2).\n")
 
 # ----- the studies ------------------------------------------------------------------------------
@@ -361,12 +362,17 @@ study("fedmic-ablation", """# The FedMIC paper's Tables 6-8: the ablations at 10
 study("fedmic-dp", """# The FedMIC paper's Table 9: Gaussian noise τ N(0, 1) on what is sent, τ in {1e-3, 1e-2, 5e-2}, at
 # λ = 0.1 and 10 % participation (A.7): FedMIC's noise goes on every transmitted float of its GPD
 # upload (dp_target: payload). This is noise injection, with no clipping and no privacy accounting:
-# NOT an (ε, δ) differential-privacy guarantee. Everything else as config/fedmic-main.yaml:
+# NOT an (ε, δ) differential-privacy guarantee. FedAvg + DP (Table 9's upper half): the same noise
+# added by each client to the full uploaded weights (A.7 READING; train.upload: [{name: gaussian,
+# std: τ}], medpfl.fl.upload.gaussian_noise), the sample count sent as it is. Neither variant
+# clips, so neither has an ε (metrics.json says so); DP-FedAvg with an accountant is train.dp
+# (docs/methods.md, "Differential privacy"). Everything else as config/fedmic-main.yaml:
 #   snakemake --cores all --configfile config/fedmic-dp.yaml
-# PLACEHOLDER (FedAvg + DP, Table 9's upper half): FedAvg has no noise switch yet; its rows are in
-# config/papers/fedmic-dp.yaml as fedavg-dp<τ>-p0.1, ready for variants once it has one.
-""", ["0.1"], [("fedavg-p0.1", "{algorithm: fedavg, train: {participation: 0.1}}"),
-               ("fedmic-p0.1", "{algorithm: fedmic, train: {participation: 0.1}}")]
+""", ["0.1"], [("fedavg-p0.1", "{algorithm: fedavg, train: {participation: 0.1}}")]
+      + [(f"fedavg-dp{t}-p0.1",
+          f"{{algorithm: fedavg, train: {{participation: 0.1, upload: [{{name: gaussian, std: {t}}}]}}}}")
+         for t in TAUS.values()]
+      + [("fedmic-p0.1", "{algorithm: fedmic, train: {participation: 0.1}}")]
       + [(f"fedmic-dp{t}-p0.1", f"{{algorithm: fedmic, dp_noise_std: {t}, train: {{participation: 0.1}}}}")
          for t in TAUS.values()],
       "fedmic-p0.1", "fedmic-dp")

@@ -240,6 +240,12 @@ def test_studies_resolve_to_the_papers_protocol(study, tmp_path):
     if study == "fedmic-dp":
         assert sorted(p.method_config(m)[1].dp_noise_std for m in p.methods if m.startswith("fedmic")) == [
             0.0, 0.001, 0.01, 0.05]
+        # Table 9's FedAvg + DP rows run: τ N(0, 1) added by each client to its uploaded weights (spec
+        # A.7 READING), through the upload transform train.upload: gaussian; no clipping, no train.dp
+        for tau in (0.001, 0.01, 0.05):
+            t = p.method_train(f"fedavg-dp{tau}-p0.1")
+            assert [(u.name, u.std) for u in t.upload] == [("gaussian", tau)] and t.dp is None
+        assert not p.method_train("fedavg-p0.1").upload and "upload" not in p.method_train("fedavg-p0.1").model_dump()
 
 
 def test_cpu_study(tmp_path):

@@ -701,6 +701,57 @@ class ServerOptimizerConfig(_Strict):
         return out
 
 
+class ClipTransformConfig(_Strict):
+    """``{name: clip, max_norm: S}``: each client's update Δ = (uploaded model) − (received model)
+    scaled to L2 norm at most S, flat over its floating-point tensors (McMahan et al., ICLR 2018,
+    Alg. 1 ``FlatClip``; :func:`medpfl.fl.upload.clip_by_norm`)."""
+
+    name: Literal["clip"]
+    max_norm: float = Field(gt=0.0, description="S, the L2 bound of each client's update")
+
+
+class GaussianTransformConfig(_Strict):
+    """``{name: gaussian, std: τ}``: τ N(0, I) added by each client to every floating-point entry of
+    its update (the FedMIC paper's DP variant, Sec. 6.6, spec A.7: noise injection, not an (ε, δ)
+    guarantee; :func:`medpfl.fl.upload.gaussian_noise`)."""
+
+    name: Literal["gaussian"]
+    std: float = Field(gt=0.0, description="τ, the noise's standard deviation per entry")
+
+
+class LowRankTransformConfig(_Strict):
+    """``{name: low_rank, energy: α}``: every update tensor of >= 2 dims sent as its truncated SVD
+    at the smallest rank with energy > α (FedKD's and FedMIC's codec, :func:`medpfl.fl.payload.
+    svd_encode`); the last transform of a chain."""
+
+    name: Literal["low_rank"]
+    energy: float = Field(gt=0.0, lt=1.0, description="α, the energy the kept singular values exceed")
+
+
+#: One item of ``train.upload``, by its ``name``.
+UploadTransformConfig = Annotated[Union[ClipTransformConfig, GaussianTransformConfig, LowRankTransformConfig],
+                                  Field(discriminator="name")]
+
+
+class DPConfig(_Strict):
+    """``train.dp``: client-level differential privacy by DP-FedAvg (McMahan, Ramage, Talwar & Zhang,
+    "Learning Differentially Private Recurrent Language Models", ICLR 2018, Algorithm 1 with the
+    fixed-denominator estimator f̃_f and uniform weights; :mod:`medpfl.fl.privacy`).
+
+    Each sampled client's update is clipped to L2 norm ``clip_norm`` (S); the server averages the m
+    clipped updates with the fixed denominator m = qK and adds N(0, σ² I), σ = ``noise_multiplier``
+    · S / m. The privacy spent, ε at ``delta``, is computed every round by opacus' ``accountant``
+    (``rdp``: Rényi DP of the sampled Gaussian mechanism, Mironov et al. 2019; ``prv``: privacy
+    random variables, Gopi, Lee & Wutschitz, NeurIPS 2021; its ε is an upper bound at
+    ``eps_error`` 0.01) with sample rate q = m/K and one step per round. Every key but
+    ``accountant`` must be given: a privacy setting has no default."""
+
+    clip_norm: float = Field(gt=0.0, description="S, the L2 bound of each client's model update (McMahan et al. 2018)")
+    noise_multiplier: float = Field(gt=0.0, description="z: the server's noise std is z·S/m (McMahan et al. 2018, Alg. 1)")
+    delta: float = Field(gt=0.0, lt=1.0, description="δ of the reported (ε, δ); must be below 1/K (the number of clients)")
+    accountant: Literal["rdp", "prv"] = Field("rdp", description="opacus' RDPAccountant or PRVAccountant")
+
+
 class TrainConfig(_Strict):
     """Local training and the model. ``model`` names a zoo model (:mod:`medpfl.models.zoo`);
     ``model_args`` holds that model's own arguments (``mlp``: ``hidden``), checked against it:
@@ -731,6 +782,13 @@ class TrainConfig(_Strict):
         None, description="null (default): the method's aggregate is the next global model; else a server "
                           "optimizer on the aggregated update (fedavgm, fedadagrad, fedadam, fedyogi; "
                           "medpfl.fl.server_opt), for methods with a global model")
+    upload: list[UploadTransformConfig] = Field(
+        default_factory=list, description="upload transforms applied in order to each client's model update before it "
+                                          "is sent (medpfl.fl.upload): clip {max_norm}, gaussian {std}, low_rank "
+                                          "{energy} (last); for methods that declare a model upload")
+    dp: DPConfig | None = Field(
+        None, description="null (default): no differential privacy; else DP-FedAvg {clip_norm, noise_multiplier, delta, "
+                          "accountant} (McMahan et al., ICLR 2018; medpfl.fl.privacy), ε per round by opacus")
 
     @field_validator("model")
     @classmethod
@@ -757,7 +815,8 @@ class TrainConfig(_Strict):
     def _drop_later_defaults(self, handler):
         """Keys added after runs existed are not dumped at their default: a model without
         arguments dumps no ``model_args``, and ``deterministic: true``, the default
-        ``transform`` and ``server_optimizer: null`` are not dumped. The job
+        ``transform``, ``server_optimizer: null``, ``upload: []`` and ``dp: null`` are not
+        dumped. The job
         descriptions (and so the Snakemake params triggers and checkpoint fingerprints) of such
         runs stay as they were before these keys existed; a non-default value is dumped and
         re-runs exactly the jobs it applies to."""
@@ -771,7 +830,30 @@ class TrainConfig(_Strict):
                 out.pop("transform", None)
             if out.get("server_optimizer", False) is None:
                 out.pop("server_optimizer")
+            if out.get("upload", None) == []:
+                out.pop("upload")
+            if out.get("dp", False) is None:
+                out.pop("dp")
         return out
+
+    @field_validator("upload")
+    @classmethod
+    def _upload_chain(cls, v: list) -> list:
+        """``low_rank`` at most once and last (the other transforms act on dense tensors)."""
+        names = [t.name for t in v]
+        if "low_rank" in names[:-1]:
+            raise ValueError(f"low_rank must be the last transform and appear once (got {' -> '.join(names)})")
+        return v
+
+    @field_validator("dp")
+    @classmethod
+    def _dp_without_client_noise(cls, v: DPConfig | None, info) -> DPConfig | None:
+        """With ``dp``, no ``gaussian`` in ``upload``: DP-FedAvg's noise is the server's, and ε is
+        computed for that mechanism alone."""
+        if v is not None and any(t.name == "gaussian" for t in info.data.get("upload") or []):
+            raise ValueError("cannot be combined with a gaussian upload transform (DP-FedAvg adds its noise at the "
+                             "server and its ε is computed for that noise alone); remove one of them")
+        return v
 
     @field_validator("device")
     @classmethod
@@ -980,7 +1062,8 @@ class Params(_Strict):
         ``method_params.<name>.train`` overrides merged in (a mapping merges key by key; a new
         ``model`` starts from that model's defaults, with the variant's own ``model_args`` if it
         gives any: another model's arguments are never merged in; likewise another
-        ``server_optimizer`` name starts from that optimizer's defaults).
+        ``server_optimizer`` name starts from that optimizer's defaults; a list such as
+        ``upload`` replaces the study's).
 
         Raises :class:`ParamsError` naming ``method_params.<name>.train.<key>``."""
         over = (self.method_params.get(name) or {}).get("train")
@@ -1020,6 +1103,22 @@ class Params(_Strict):
             key = f"method_params.{name}.train.server_optimizer" if own else "train.server_optimizer"
             cls, cfg = self.method_config(name)
             check_applicable(name, cls, cfg, key, opt.name)
+        return self
+
+    @model_validator(mode="after")
+    def _upload_transforms(self) -> "Params":
+        """``train.dp`` and ``train.upload`` need a method that declares a model upload
+        (:attr:`medpfl.algorithms.base.Algorithm.model_upload`); raises naming the method and the
+        key that set it (:func:`medpfl.fl.privacy.check_applicable`)."""
+        from medpfl.fl.privacy import check_applicable
+
+        for name in self.methods:
+            t = self.method_train(name)
+            own = (self.method_params.get(name) or {}).get("train") or {}
+            for field, on in (("dp", t.dp is not None), ("upload", bool(t.upload))):
+                if on:
+                    key = f"method_params.{name}.train.{field}" if field in own else f"train.{field}"
+                    check_applicable(name, self.method_config(name)[0], key)
         return self
 
     def method_config(self, name: str):

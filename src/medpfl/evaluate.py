@@ -19,7 +19,7 @@ import pandas as pd  # noqa: E402
 
 from medpfl.data.schemas import EvalRecords, RoundLog, validate  # noqa: E402
 from medpfl.io import atomic_path, read_json, read_parquet, write_json, write_text  # noqa: E402
-from medpfl.metrics import summarize_run  # noqa: E402
+from medpfl.metrics import privacy_summary, summarize_run  # noqa: E402
 
 
 def client_table(records: pd.DataFrame, num_clients: int) -> pd.DataFrame:
@@ -85,6 +85,11 @@ def evaluate_run(run_dir: Path) -> dict:
     size = job.get("model_size") or {}  # written by training (absent in runs made before it was)
     summary["trainable_params"] = size.get("trainable")
     summary["frozen_params"] = size.get("frozen")
+    # DP-FedAvg's ε at δ (last round), or why a noisy run has none; nothing for other runs
+    eps = per["epsilon"].iloc[-1] if "epsilon" in per and len(per) else None
+    private = privacy_summary(job, None if eps is None or pd.isna(eps) else float(eps))
+    if private is not None:
+        summary.update(private[0])
     clients = client_table(records, job["num_clients"])
     write_text(run_dir / "round_metrics.csv", per.to_csv(index=False))
     write_text(run_dir / "client_accuracy.csv", clients.to_csv(index=False))
@@ -96,13 +101,14 @@ def evaluate_run(run_dir: Path) -> dict:
     env = {"environment": job.get("environment")}  # the training session's fingerprint (None: trained before)
     if job.get("earlier_environments"):
         env["earlier_environments"] = job["earlier_environments"]
-    write_json(run_dir / "metrics.json", {**meta, "mlflow_run_id": run_id, "global_test": global_test,
+    privacy = {"privacy": private[1]} if private is not None else {}
+    write_json(run_dir / "metrics.json", {**meta, "mlflow_run_id": run_id, "global_test": global_test, **privacy,
                                           "summary": summary, **env})
     if run_id is not None:
         from medpfl.tracking import RunLogger
 
         lg = RunLogger.reopen(run_file)
-        lg.set_tags({"global_test": global_test})
+        lg.set_tags({"global_test": global_test, **privacy})
         lg.log_metrics({k: v for k, v in summary.items() if isinstance(v, (int, float))})
         for _, row in per.iterrows():
             lg.log_metrics({c: row[c] for c in ("bwt", "global_on_local_worst", "local_acc_worst") if pd.notna(row[c])},

@@ -203,6 +203,8 @@ def summarize_run(records: pd.DataFrame, rounds: pd.DataFrame, num_clients: int,
         per["compression_ratio"] = np.where(per["bytes_up_dense"] > 0,
                                             per["bytes_up"] / per["bytes_up_dense"], np.nan)
     per["cum_seconds"] = per["round_seconds"].cumsum()
+    if "epsilon" in rounds:  # DP-FedAvg (train.dp): ε at δ after each round; absent otherwise
+        per["epsilon"] = pd.to_numeric(rounds["epsilon"], errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
 
     s: dict[str, float] = {"rounds": int(len(r_all)), "num_clients": int(num_clients)}
     gacc = per["global_test_acc"].to_numpy()
@@ -274,3 +276,36 @@ def summarize_run(records: pd.DataFrame, rounds: pd.DataFrame, num_clients: int,
     s["last_round"] = last_r
     s = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in s.items()}
     return per, s
+
+
+def privacy_summary(job: dict, last_epsilon: float | None) -> tuple[dict, str] | None:
+    """What a run's ``metrics.json`` says about privacy (``medpfl.fl.privacy``; ``docs/methods.md``,
+    "Differential privacy"), from its job description and the ε of
+    its last round (``rounds.parquet``'s ``epsilon``, None where absent): ``({"epsilon", "dp_delta"},
+    statement)``, or None for a run without DP, upload noise or FedMIC's noise (its summary is then
+    unchanged). ε is null where the noise fits no mechanism with a bounded sensitivity."""
+    train = job.get("train") or {}
+    dp = train.get("dp")
+    upload = [t.get("name") for t in (train.get("upload") or [])]
+    if dp:
+        rounds = train.get("rounds")
+        eps = None if last_epsilon is None or not math.isfinite(last_epsilon) else float(last_epsilon)
+        return ({"epsilon": eps, "dp_delta": float(dp["delta"])},
+                f"DP-FedAvg (McMahan et al., ICLR 2018): client-level (ε, δ) = ({eps if eps is None else f'{eps:.4g}'}, "
+                f"{dp['delta']:g}) after {rounds} rounds; clip S = {dp['clip_norm']:g}, noise multiplier z = "
+                f"{dp['noise_multiplier']:g}, opacus {dp.get('accountant', 'rdp').upper()} accountant with q = m/K and "
+                "one step per round; it assumes Poisson sampling of clients (here: m without replacement), a trusted "
+                "server and a secret client sample (docs/methods.md, Differential privacy)")
+    fedmic_tau = (job.get("method_params") or {}).get("dp_noise_std") if job.get("algorithm") == "fedmic" else None
+    if fedmic_tau:
+        return ({"epsilon": None, "dp_delta": None},
+                f"no (ε, δ): FedMIC's noise τ = {fedmic_tau:g} (dp_noise_std, spec A.7) is added to unclipped updates, "
+                "whose sensitivity is unbounded, so it fits no Gaussian mechanism and no ε can be stated")
+    if "gaussian" in upload:
+        clipped = "clip" in upload[:upload.index("gaussian")]
+        why = ("the updates are clipped first, but the server sees every noisy upload and no local-DP accounting is "
+               "done here" if clipped else
+               "it is added to unclipped updates, whose sensitivity is unbounded, so no ε can be stated")
+        return ({"epsilon": None, "dp_delta": None},
+                f"no (ε, δ): client-side Gaussian noise on the uploads (train.upload): {why}")
+    return None

@@ -41,12 +41,16 @@ def round_scalars(records: list[dict], row: dict) -> dict[str, float]:
     columns) and its evaluation records (``records``: dicts with ``view``, ``accuracy``,
     ``balanced_accuracy``, ``loss``). ``upload_compression_ratio`` = ``bytes_up /
     bytes_up_dense`` where the row has a positive ``bytes_up_dense`` (optional column), absent
-    otherwise (``docs/metrics.md``)."""
+    otherwise; ``dp_epsilon`` (the row's ``epsilon``: ε at δ so far) where the run has ``train.dp``
+    (``docs/metrics.md``; the summary's name is ``epsilon``)."""
     out: dict[str, float] = {"lr": row["lr"], "bytes_up": row["bytes_up"], "bytes_down": row["bytes_down"],
                              "round_seconds": row["round_seconds"], "train_seconds": row["train_seconds"]}
     dense = row.get("bytes_up_dense")
     if pd.notna(dense) and dense > 0:  # absent, missing or 0 (nothing sent: Local): not applicable
         out["upload_compression_ratio"] = row["bytes_up"] / dense
+    eps = row.get("epsilon")
+    if eps is not None and pd.notna(eps):  # DP-FedAvg (train.dp): ε at δ after this round (summary: epsilon)
+        out["dp_epsilon"] = eps
 
     def pick(view):
         return [r for r in records if r["view"] == view]

@@ -99,7 +99,7 @@ import torch
 from pydantic import Field
 
 from medpfl.algorithms.aggregation import client_weights
-from medpfl.algorithms.base import Algorithm, MethodConfig
+from medpfl.algorithms.base import MODEL_UPLOAD, Algorithm, MethodConfig
 from medpfl.algorithms.inner import grad_of_trainable
 from medpfl.fl.functional import Params, clone_params, weighted_average, weighted_ce
 from medpfl.fl.program import Federation, Phase, RoundInfo
@@ -143,6 +143,7 @@ class APFL(Algorithm):
     name = "apfl"
     Config = APFLConfig
     paper = "Deng, Kamani & Mahdavi, Adaptive Personalized Federated Learning, arXiv 2003.13461 (2020)"
+    model_upload = MODEL_UPLOAD  # the weighted mean of the global copies w
     # FedAvg's global model by construction, but its records always add the personalized mixture
 
     personalized = True

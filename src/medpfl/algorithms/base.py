@@ -46,7 +46,8 @@ FedBE's distillation set); every other method sees None.
 score on the global test set), ``personalized`` (clients keep models of their own),
 ``requires_parts`` (model parts it cannot run without; checked against the model before round
 0), ``uses_server_data``, ``not_stackable_because`` (why the client hooks cannot run under vmap;
-then it runs on the sequential executor), ``fedavg_when``, ``seeded_client_init``. A plain
+then it runs on the sequential executor), ``fedavg_when``, ``seeded_client_init``,
+``model_upload`` (the upload that upload transforms and DP-FedAvg act on). A plain
 loss-only method is a config class and one ``local_loss``.
 
 Shapes: a "tree" is a flat ``dict[str, Tensor]`` (a model state: parameters and buffers by name;
@@ -58,7 +59,7 @@ clients in schedule order). ``info`` holds per client: ``client`` (int64 scalar)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import numpy as np
 import torch
@@ -70,6 +71,30 @@ from medpfl.fl.program import Download, Federation, Pass, Phase, RoundInfo
 
 if TYPE_CHECKING:
     from medpfl.fl.data import ServerData
+
+
+class ModelUpload(NamedTuple):
+    """A method's declaration that one upload is a model, read against a model the client received,
+    and that the server uses it only through a weighted mean (a convex combination over the round's
+    clients, whose weights come from the upload entries ``weights`` alone), whatever it then does
+    with that mean.
+
+    upload: the upload key holding the model (or model part) a client sends (a tree with the
+    declared ``TreeSpec``); reference: the key of the shared download it started from (same names
+    and shapes), so that Δ_k = upload_k − reference is the client's update; weights: the other
+    upload keys, each read only to weight the mean (``num_samples``; FedKPer's ``score``, FedAS's
+    ``fisher_trace``). The engine's upload transforms (``train.upload``: clipping, noise,
+    low-rank) act on Δ_k, and DP-FedAvg (``train.dp``) replaces the mean by its private estimate
+    (McMahan et al., ICLR 2018; :mod:`medpfl.fl.privacy`); a secure aggregation of weighted sums
+    would need the same declaration."""
+
+    upload: str
+    reference: str
+    weights: tuple[str, ...] = ("num_samples",)
+
+
+#: FedAvg's declaration: the uploaded ``model`` against the downloaded ``model``, weights n_k.
+MODEL_UPLOAD = ModelUpload("model", "model", ("num_samples",))
 
 
 class MethodConfig(BaseModel):
@@ -122,6 +147,13 @@ class Algorithm:
     #: (on the CPU) is the same in both executors, whatever K, and independent of the global
     #: model's init (pFedKD-WCL's personal models). False: the global generator as it stands.
     seeded_client_init: ClassVar[bool] = False
+    #: the upload that is a model sent against a downloaded model and averaged
+    #: (:class:`ModelUpload`), or None: what ``train.upload`` transforms and ``train.dp``
+    #: (DP-FedAvg) privatize. Declared per method (never inherited from this class's default
+    #: FedAvg hooks: a method that changes ``aggregate`` or ``upload_spec`` says it again);
+    #: the config refuses both keys for a method that declares None
+    #: (:func:`medpfl.fl.privacy.check_applicable`).
+    model_upload: ClassVar[ModelUpload | None] = None
 
     def __init__(self, cfg: MethodConfig, forward: FunctionalModel, num_classes: int):
         self.cfg = cfg

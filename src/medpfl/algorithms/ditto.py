@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import Field
 
-from medpfl.algorithms.base import Algorithm, MethodConfig
+from medpfl.algorithms.base import MODEL_UPLOAD, Algorithm, MethodConfig
 from medpfl.algorithms.fedprox import proximal_term
 from medpfl.fl.functional import Params, clone_params, weighted_ce
 from medpfl.fl.program import Federation, Phase, RoundInfo
@@ -41,6 +41,7 @@ class Ditto(Algorithm):
     name = "ditto"
     Config = DittoConfig
     paper = "Li, Hu, Beirami & Smith, Ditto: Fair and Robust Federated Learning Through Personalization, ICML 2021"
+    model_upload = MODEL_UPLOAD  # the global copy's n_k-weighted mean; the personal model never leaves
 
     personalized = True
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from pydantic import Field
 
-from medpfl.algorithms.base import Algorithm, MethodConfig
+from medpfl.algorithms.base import MODEL_UPLOAD, Algorithm, MethodConfig
 from medpfl.fl.functional import Params, clone_params, weighted_ce
 from medpfl.fl.program import Federation, Phase, RoundInfo, Until
 
@@ -57,6 +57,7 @@ class FedALA(Algorithm):
     name = "fedala"
     Config = FedALAConfig
     paper = "Zhang et al., FedALA: Adaptive Local Aggregation for Personalized Federated Learning, AAAI 2023"
+    model_upload = MODEL_UPLOAD  # FedAvg's server: the n_k-weighted mean
     not_stackable_because = ("its first adaptive local aggregation trains until its loss converges "
                              "(a data-dependent number of epochs)")
 

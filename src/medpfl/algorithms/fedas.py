@@ -29,7 +29,7 @@ import torch
 from pydantic import Field
 from torch.func import grad
 
-from medpfl.algorithms.base import Algorithm, MethodConfig
+from medpfl.algorithms.base import Algorithm, MethodConfig, ModelUpload
 from medpfl.fl.functional import Params, clone_params, size_weights, weighted_average, weighted_ce
 from medpfl.fl.payload import ArraySpec, TreeSpec
 from medpfl.fl.program import Federation, Pass, Phase, RoundInfo
@@ -65,6 +65,8 @@ class FedAS(Algorithm):
     name = "fedas"
     Config = FedASConfig
     paper = "Yang, Huang & Ye, FedAS: Bridging Inconsistency in Personalized Federated Learning, CVPR 2024"
+    # the Fisher-trace-weighted mean (n_k where undefined)
+    model_upload = ModelUpload("model", "model", ("fisher_trace", "num_samples"))
     requires_parts = ("body", "head")  # aligns the global body to its own head's prototypes
 
     personalized = True

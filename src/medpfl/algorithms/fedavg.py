@@ -3,7 +3,7 @@ client models weighted by local train size (FedKPer eq. 2). No hyper-parameters 
 
 from __future__ import annotations
 
-from medpfl.algorithms.base import Algorithm, MethodConfig
+from medpfl.algorithms.base import MODEL_UPLOAD, Algorithm, MethodConfig
 
 
 class FedAvgConfig(MethodConfig):
@@ -14,4 +14,5 @@ class FedAvg(Algorithm):
     name = "fedavg"
     Config = FedAvgConfig
     paper = "McMahan et al., Communication-Efficient Learning of Deep Networks from Decentralized Data, AISTATS 2017"
+    model_upload = MODEL_UPLOAD  # the n_k-weighted mean of the uploaded models
     fedavg_when = {}

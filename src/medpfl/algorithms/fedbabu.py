@@ -37,7 +37,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from medpfl.algorithms.base import Algorithm, MethodConfig
+from medpfl.algorithms.base import Algorithm, MethodConfig, ModelUpload
 from medpfl.fl.functional import Params, size_weights, weighted_average
 from medpfl.fl.payload import ArraySpec, TreeSpec
 from medpfl.fl.program import Download, Federation, Phase, RoundInfo
@@ -64,6 +64,7 @@ class FedBABU(Algorithm):
     name = "fedbabu"
     Config = FedBABUConfig
     paper = "Oh, Kim & Yun, FedBABU: Toward Enhanced Representation for Federated Image Classification, ICLR 2022"
+    model_upload = ModelUpload("body", "body", ("num_samples",))  # the n_k-weighted mean of the bodies
     requires_parts = ("body", "head")  # shares the body, freezes the head
 
     personalized = True

@@ -37,7 +37,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from medpfl.algorithms.base import Algorithm, MethodConfig
+from medpfl.algorithms.base import MODEL_UPLOAD, Algorithm, MethodConfig
 from medpfl.fl.functional import Params, size_weights, weighted_average
 from medpfl.fl.payload import ArraySpec, TreeSpec
 from medpfl.fl.program import Download, Federation, RoundInfo
@@ -59,6 +59,7 @@ class FedBN(Algorithm):
     Config = FedBNConfig
     paper = "Li, Jiang, Zhang, Kamp & Dou, FedBN: Federated Learning on Non-IID Features via Local Batch " \
             "Normalization, ICLR 2021"
+    model_upload = MODEL_UPLOAD  # the weighted mean of the non-BN part
     requires_parts = ("bn",)
 
     has_global_model = False

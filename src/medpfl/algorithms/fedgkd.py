@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from pydantic import Field
 
-from medpfl.algorithms.base import Algorithm, MethodConfig
+from medpfl.algorithms.base import MODEL_UPLOAD, Algorithm, MethodConfig
 from medpfl.fl.functional import Params, weighted_average, weighted_ce, weighted_kl
 from medpfl.fl.program import Download, Federation, RoundInfo
 
@@ -89,6 +89,7 @@ class FedGKD(Algorithm):
     Config = FedGKDConfig
     paper = ("Yao et al., FedGKD: Toward Heterogeneous Federated Learning via Global Knowledge Distillation, "
              "IEEE Trans. Computers 2023 (as the pFedKD-WCL paper's baseline)")
+    model_upload = MODEL_UPLOAD  # the n_k-weighted mean, which its buffer then stores
     fedavg_when = {"kl_weight": 0.0}
 
     @property

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from medpfl.algorithms.base import Algorithm, MethodConfig, accuracy_pass
+from medpfl.algorithms.base import Algorithm, MethodConfig, ModelUpload, accuracy_pass
 from medpfl.fl.functional import Params, weighted_average, weighted_ce
 from medpfl.fl.payload import ArraySpec
 from medpfl.fl.program import Pass, Phase, RoundInfo
@@ -90,6 +90,8 @@ class FedKPer(Algorithm):
     name = "fedkper"
     Config = FedKPerConfig
     paper = "Fowler & AlRegib, FedKPer, ICIP 2026"
+    # the score-weighted mean (eq. 2; n_k where the scores are undefined)
+    model_upload = ModelUpload("model", "model", ("num_samples", "score"))
     fedavg_when = {"use_kd": False, "use_score_aggregation": False, "clip_grad_norm": None}
 
     def upload_spec(self):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from medpfl.algorithms.base import Algorithm, MethodConfig
+from medpfl.algorithms.base import MODEL_UPLOAD, Algorithm, MethodConfig
 from medpfl.fl.functional import weighted_ce, weighted_kl
 from medpfl.fl.program import RoundInfo
 
@@ -45,6 +45,7 @@ class FedNTD(Algorithm):
     name = "fedntd"
     Config = FedNTDConfig
     paper = "Lee et al., Preservation of the Global Knowledge by Not-True Distillation in FL, NeurIPS 2022"
+    model_upload = MODEL_UPLOAD  # FedAvg's server: the n_k-weighted mean
     fedavg_when = {"beta": 0.0}
 
     def shared_context(self, shared, rnd: RoundInfo):

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from medpfl.algorithms.base import Algorithm, MethodConfig
+from medpfl.algorithms.base import Algorithm, MethodConfig, ModelUpload
 from medpfl.fl.functional import Params, clone_params, size_weights, weighted_average
 from medpfl.fl.payload import ArraySpec, TreeSpec
 from medpfl.fl.program import Download, Federation, RoundInfo
@@ -31,6 +31,7 @@ class FedPer(Algorithm):
     name = "fedper"
     Config = FedPerConfig
     paper = "Arivazhagan et al., Federated Learning with Personalization Layers, arXiv 1912.00818 (2019)"
+    model_upload = ModelUpload("body", "body", ("num_samples",))  # the n_k-weighted mean of the bodies
     requires_parts = ("body", "head")  # shares the body, keeps the head
 
     has_global_model = False

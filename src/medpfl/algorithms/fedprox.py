@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from medpfl.algorithms.base import Algorithm, MethodConfig
+from medpfl.algorithms.base import MODEL_UPLOAD, Algorithm, MethodConfig
 from medpfl.fl.functional import Params, weighted_ce
 from medpfl.fl.program import RoundInfo
 
@@ -29,6 +29,7 @@ class FedProx(Algorithm):
     name = "fedprox"
     Config = FedProxConfig
     paper = "Li et al., Federated Optimization in Heterogeneous Networks, MLSys 2020"
+    model_upload = MODEL_UPLOAD  # FedAvg's server: the n_k-weighted mean
     fedavg_when = {"mu": 0.0}
 
     def shared_context(self, shared: dict[str, Any], rnd: RoundInfo) -> dict[str, Any]:

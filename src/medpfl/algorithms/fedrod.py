@@ -38,7 +38,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from medpfl.algorithms.base import Algorithm, MethodConfig
+from medpfl.algorithms.base import MODEL_UPLOAD, Algorithm, MethodConfig
 from medpfl.fl.functional import Params, clone_params, weighted_ce
 from medpfl.fl.program import Federation, Phase, RoundInfo
 
@@ -69,6 +69,7 @@ class FedRoD(Algorithm):
     name = "fedrod"
     Config = FedRoDConfig
     paper = "Chen & Chao, On Bridging Generic and Personalized Federated Learning for Image Classification, ICLR 2022"
+    model_upload = MODEL_UPLOAD  # the generic model's n_k-weighted mean
     requires_parts = ("body", "head")  # a shared body's features feed the generic and the personal head
 
     personalized = True

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from medpfl.algorithms.base import Algorithm, MethodConfig
+from medpfl.algorithms.base import MODEL_UPLOAD, Algorithm, MethodConfig
 from medpfl.fl.functional import Params, clone_params, weighted_ce
 from medpfl.fl.program import Federation, RoundInfo
 
@@ -52,6 +52,7 @@ class MOON(Algorithm):
     name = "moon"
     Config = MOONConfig
     paper = "Li, He & Song, Model-Contrastive Federated Learning, CVPR 2021"
+    model_upload = MODEL_UPLOAD  # FedAvg's server: the n_k-weighted mean
     requires_parts = ("body",)  # contrasts the body's features
     fedavg_when = {"mu": 0.0}
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from medpfl.algorithms.base import Algorithm, MethodConfig
+from medpfl.algorithms.base import MODEL_UPLOAD, Algorithm, MethodConfig
 from medpfl.algorithms.inner import grad_of_trainable
 from medpfl.fl.functional import weighted_ce
 from medpfl.fl.program import Phase, RoundInfo
@@ -83,6 +83,7 @@ class PerFedAvg(Algorithm):
     Config = PerFedAvgConfig
     paper = ("Fallah, Mokhtari & Ozdaglar, Personalized Federated Learning with Theoretical Guarantees: "
              "A Model-Agnostic Meta-Learning Approach, NeurIPS 2020 (first-order variant)")
+    model_upload = MODEL_UPLOAD  # FedAvg's server: the n_k-weighted mean
     # no setting of its knobs gives FedAvg: every step is evaluated at an inner-adapted point
 
     personalized = True

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from medpfl.algorithms.base import Algorithm, MethodConfig
+from medpfl.algorithms.base import MODEL_UPLOAD, Algorithm, MethodConfig
 from medpfl.algorithms.inner import grad_of_trainable
 from medpfl.algorithms.pfedkdwcl import random_model_state
 from medpfl.fl.functional import Params, clone_params, weighted_average, weighted_ce
@@ -107,6 +107,7 @@ class PFedMe(Algorithm):
     name = "pfedme"
     Config = PFedMeConfig
     paper = "T. Dinh, Tran & Nguyen, Personalized Federated Learning with Moreau Envelopes, NeurIPS 2020"
+    model_upload = MODEL_UPLOAD  # the uniform mean, then w <- (1 - beta) w + beta mean
     # the global model is driven by the Moreau envelope's gradient, never FedAvg's update
     seeded_client_init = True  # theta_init random: a function of (run seed, client id); the others draw nothing
 

@@ -149,6 +149,9 @@ class RoundLog(pa.DataFrameModel):
     #: runs made before it was recorded, null in the earlier rounds of a run resumed from such a
     #: checkpoint
     peak_memory_bytes: Optional[Series[pd.Int64Dtype]] = pa.Field(ge=0, nullable=True)
+    #: DP-FedAvg (``train.dp``): the privacy spent after this round, ε at the run's δ (opacus'
+    #: accountant; ``medpfl.fl.privacy``); absent in runs without ``train.dp``
+    epsilon: Optional[Series[float]] = pa.Field(ge=0.0, nullable=True)
 
     class Config:
         strict = True

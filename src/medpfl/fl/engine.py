@@ -10,7 +10,10 @@ Round r:
      and returns the models to score, the uploads and the new persistent client states;
   3. each client's model is scored on its local test split (``local_after_training``);
   4. the uploads are checked against the method's declared ``upload_spec`` (the privacy
-     boundary); the server aggregates them (``algo.aggregate``) into its next state (a method
+     boundary); with ``train.upload`` / ``train.dp`` (:mod:`medpfl.fl.privacy`) the declared model
+     upload's update is transformed as the clients would send it (clipping, noise, low-rank),
+     checked again as it crosses, and decoded at the server (DP-FedAvg: the clipped mean plus the
+     server's Gaussian noise, ε per round by opacus' accountant); the server aggregates them (``algo.aggregate``) into its next state (a method
      declaring ``uses_server_data`` reads the partition's unlabeled server images there, from
      ``algo.server_data``, attached once before the run; the clients never see them); with
      ``train.server_optimizer`` (:mod:`medpfl.fl.server_opt`) the server then steps the previous
@@ -50,6 +53,7 @@ from medpfl.fl.data import FederatedData, ServerData
 from medpfl.fl.evaluation import eval_groups, records_from_counts
 from medpfl.fl.functional import Params, model_state
 from medpfl.fl.payload import UploadSpecError, check_upload, payload_dense_nbytes, payload_nbytes
+from medpfl.fl.privacy import make_upload_pipeline
 from medpfl.fl.program import Federation, RoundInfo
 from medpfl.fl.sampling import client_schedule, seeded_cpu_rng
 from medpfl.fl.server_opt import make_server_optimizer
@@ -161,6 +165,8 @@ class Engine:
         self.schedule = client_schedule(self.data.num_clients, self.train.participation, self.train.rounds,
                                         self.train.sampling.scheme,
                                         self.train.sampling.seed if self.train.sampling.seed is not None else self.seed)
+        # train.upload / train.dp (fl/privacy.py): None leaves the round exactly as without them
+        self.uploader = make_upload_pipeline(self.train, self.algo, self.data.num_clients, self.schedule.shape[1])
 
     def _attach_server_data(self) -> None:
         """The server-data hook: a method that declares ``uses_server_data`` gets the partition's
@@ -246,6 +252,13 @@ class Engine:
             if agg_pos is not None:  # only the sampled clients send (and are aggregated)
                 uploads = tree_index(uploads, torch.as_tensor(agg_pos, device=data.device))
             check_upload(algo.name, algo.upload_spec(), uploads, m)
+            sent = uploads  # what crosses (bytes_up), as the clients send it
+            if self.uploader is not None:  # train.upload / train.dp: transforms at the clients, decoding at the server
+                with self._linalg_guard(r, "in the upload transforms"):
+                    sent = self.uploader.send(uploads, down.shared, clients, self.seed, r)
+                check_upload(algo.name, self.uploader.wire_spec, sent, m)
+                with self._linalg_guard(r, "in the upload transforms"):
+                    uploads = self.uploader.receive(sent, down.shared, self.seed, r, m)
             if algo.aggregates:
                 with self._linalg_guard(r, "in the server update"):
                     aggregated = algo.aggregate(server, uploads, cidx, rnd)
@@ -261,8 +274,8 @@ class Engine:
                 "lr": rnd.lr,
                 "sampled_clients": " ".join(map(str, clients.tolist())),
                 "num_sampled": m,
-                "bytes_up": payload_nbytes(uploads),
-                "bytes_up_dense": payload_dense_nbytes(uploads),  # the same uploads uncompressed
+                "bytes_up": payload_nbytes(sent),
+                "bytes_up_dense": payload_dense_nbytes(sent),  # the same uploads uncompressed
                 "bytes_down": (k if down.to_all else len(trainers)) * payload_nbytes(down.shared)
                 + payload_nbytes(down.per_client),
                 "train_seconds": t1 - t0,
@@ -270,6 +283,8 @@ class Engine:
                 "round_seconds": t2 - t0,
                 "peak_memory_bytes": peak_memory_bytes(data.device),
             }
+            if self.uploader is not None and self.uploader.dp is not None:  # DP-FedAvg: ε at δ after r + 1 rounds
+                row["epsilon"] = self.uploader.epsilon(r + 1)
             records += new_records
             rounds.append(row)
             for cb in self.callbacks:

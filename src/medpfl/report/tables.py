@@ -97,9 +97,12 @@ _PLAIN = (
     ("Test acc at best-val round (FHBench protocol)", "best_val_client_acc", 3),
     ("MB per round", "mb_per_round", 2),
     ("s per round", "seconds_per_round", 2),
+    ("DP ε (client-level, at DP δ)", "epsilon", 3),
 )
-#: plain-table columns shown only where some run has a value (they need validation splits)
-_PLAIN_IF_PRESENT = ("best_val_client_acc",)
+#: plain-table columns shown only where some run has a value (best_val_client_acc needs validation
+#: splits, epsilon DP-FedAvg: train.dp)
+_PLAIN_IF_PRESENT = ("best_val_client_acc", "epsilon")
+DP_DELTA = "DP δ"
 
 COST_TITLE = "Cost: parameters, communication and memory"
 COST_CAPTION = (
@@ -142,6 +145,17 @@ PLAIN_CAPTION = (
     f"{NEVER_TRAINED_NOTE}"
     f"{NULL} = not applicable."
 )
+DP_NOTE = (
+    "DP ε: the client-level privacy DP-FedAvg (train.dp) spent by the last round, at the run's DP δ (opacus' "
+    "accountant, sample rate m/K, one step per round; it assumes Poisson sampling of clients, a trusted server and a "
+    f"secret client sample: docs/methods.md, “Differential privacy”); {NULL} for runs without DP, and for noise "
+    "added without clipping, which fits no mechanism with a bounded sensitivity. ")
+
+
+def plain_caption(table: pd.DataFrame) -> str:
+    """The plain table's caption: :data:`PLAIN_CAPTION`, with :data:`DP_NOTE` where the table has
+    the DP columns."""
+    return (DP_NOTE + PLAIN_CAPTION) if DP_DELTA in table.columns else PLAIN_CAPTION
 PAIRED_CAPTION = (
     "Each cell: the mean over the seeds both methods share of (method − {reference}), paired by seed, then "
     f"[the {CI_LEVEL} Student t confidence interval of that mean difference] (t on the per-seed "
@@ -326,17 +340,27 @@ def plain_table(methods: dict[str, list[Run]]) -> pd.DataFrame:
     the clients no round trained (:func:`never_trained_cell`), where the runs recorded it."""
     everyone = [r for runs in methods.values() for r in runs]
     cols = [(c, k, nd) for c, k, nd in _PLAIN if k not in _PLAIN_IF_PRESENT or seed_mean(everyone, k) is not None]
+    dp = any(k == "epsilon" for _, k, _ in cols)
     never = any(r.summary.get("clients_never_trained") is not None for r in everyone)
     rows = []
     for method, runs in methods.items():
         row: dict[str, Any] = {"Strategy": method, **_counts(runs)}
         for col, key, nd in cols:
             row[col] = ci_cell(seed_interval(runs, key), nd, len(runs))
+        if dp:
+            row[DP_DELTA] = dp_delta_cell(runs)
         if never:
             row[NEVER_TRAINED] = never_trained_cell(runs)
         rows.append(row)
     return pd.DataFrame(rows, columns=["Strategy", "seeds", "rounds"] + [c for c, _, _ in cols]
-                        + ([NEVER_TRAINED] if never else []))
+                        + ([DP_DELTA] if dp else []) + ([NEVER_TRAINED] if never else []))
+
+
+def dp_delta_cell(runs: list[Run]) -> str:
+    """The δ at which the runs' ε is stated (``dp_delta``; ``"1e-05"``, several joined by ", "
+    where seeds differ); ``—`` where no run has one (not private)."""
+    vals = sorted({float(v) for v in (r.summary.get("dp_delta") for r in runs) if v is not None})
+    return ", ".join(f"{v:g}" for v in vals) if vals else NULL
 
 
 def _count_cell(x: float | None) -> str:
@@ -525,8 +549,8 @@ def render_markdown(runs: list[Run], title: str = "", curves_name: str | None = 
     for (ds, part), methods in groups(runs).items():
         lines += [f"## {ds} / {part}", "", f"### {TABLE1_TITLE}", "", TABLE1_LEAD, "",
                   _md_table(table1(methods)), "",
-                  f"*{TABLE1_CAPTION}*", "", f"### {PLAIN_TITLE}", "", _md_table(plain_table(methods)), "",
-                  f"*{PLAIN_CAPTION}*", ""]
+                  f"*{TABLE1_CAPTION}*", "", f"### {PLAIN_TITLE}", "", _md_table(plain := plain_table(methods)), "",
+                  f"*{plain_caption(plain)}*", ""]
         ct, cref = cost_table(methods, reference if reference in methods else None)
         lines += [f"### {COST_TITLE}", "", _md_table(ct), "", f"*{COST_CAPTION.format(reference=cref)}*", ""]
         heading, pt, caption = sections[(ds, part)]
@@ -583,8 +607,8 @@ def render_html(runs: list[Run], title: str = "", images: Iterable[tuple[str, st
                   f"<h3>{html.escape(TABLE1_TITLE)}</h3>", f"<p>{html.escape(TABLE1_LEAD)}</p>",
                   _html_table(table1(methods)),
                   f'<p class="caption">{html.escape(TABLE1_CAPTION)}</p>',
-                  f"<h3>{html.escape(PLAIN_TITLE)}</h3>", _html_table(plain_table(methods)),
-                  f'<p class="caption">{html.escape(PLAIN_CAPTION)}</p>']
+                  f"<h3>{html.escape(PLAIN_TITLE)}</h3>", _html_table(plain := plain_table(methods)),
+                  f'<p class="caption">{html.escape(plain_caption(plain))}</p>']
         ct, cref = cost_table(methods, reference if reference in methods else None)
         parts += [f"<h3>{html.escape(COST_TITLE)}</h3>", _html_table(ct),
                   f'<p class="caption">{html.escape(COST_CAPTION.format(reference=cref))}</p>']
