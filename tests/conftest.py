@@ -65,15 +65,18 @@ def fed_data(synthetic_processed):
     return make_fed_data(synthetic_processed, server_data={"count": 20})
 
 
-def make_algo(name, num_classes=4, model="cnn4", model_args=None, in_channels=3, image_size=28, **overrides):
-    """Method ``name`` (with config ``overrides``) on a meta-device template of ``model``; the
-    defaults fit ``fed_data`` (3x28x28 images); ``image_size=None``: vectors of ``in_channels``."""
+def make_algo(name, num_classes=4, model="cnn4", model_args=None, in_channels=3, image_size=28, device="cpu",
+              **overrides):
+    """Method ``name`` (with config ``overrides``) on a template of ``model`` placed as
+    ``medpfl.train`` places it (:func:`~medpfl.fl.functional.template_on`: on ``device`` when the
+    model has frozen weights, a ViT with LoRA; else on "meta"); the defaults fit ``fed_data``
+    (3x28x28 images); ``image_size=None``: vectors of ``in_channels``."""
     from medpfl.algorithms import resolve_method
     from medpfl.fl.functional import make_forward, template_on
     from medpfl.models import build_model
 
     cls, cfg = resolve_method(name, {name: overrides} if overrides else {})
-    module = template_on(build_model(model, in_channels, num_classes, image_size, model_args), "cpu")
+    module = template_on(build_model(model, in_channels, num_classes, image_size, model_args), device)
     return cls(cfg, make_forward(module), num_classes)
 
 

@@ -56,7 +56,7 @@ def run(fed_data, method, executor="sequential", checkpoint=None, callbacks=(), 
     """One engine run on ``model`` (default: :func:`model_for`); ``capture`` (a list) receives every
     round's stacked uploads at the server."""
     model = model or model_for(method)
-    algo = make_algo(method, model=model, model_args=ZOO[model].tiny_args, **overrides)
+    algo = make_algo(method, model=model, model_args=ZOO[model].tiny_args, device=fed_data.device, **overrides)
     if capture is not None:
         real = algo.aggregate
 

@@ -161,7 +161,8 @@ class PFedMe(Algorithm):
         """``w <- (1 - beta) w + beta * mean(w_loc)`` over the sampled clients, uniform weights
         (pFedMe Alg. 1 line 11; both codes average uniformly)."""
         m = uploads["num_samples"].shape[0]
-        avg = weighted_average(uploads["model"], torch.full((m,), 1.0 / m, dtype=torch.float64))
+        w_dev = next(iter(uploads["model"].values())).device
+        avg = weighted_average(uploads["model"], torch.full((m,), 1.0 / m, dtype=torch.float64, device=w_dev))
         b = self.cfg.beta
         w = server["model"]
         new = {k: ((1 - b) * w[k] + b * avg[k]) if w[k].is_floating_point() else avg[k] for k in w}
