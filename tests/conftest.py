@@ -84,6 +84,16 @@ def initial_params(num_classes=4, seed=0):
     return {k: v.detach().clone() for k, v in build_model("cnn4", 3, num_classes, 28).named_parameters()}
 
 
+def phase_chains(ph, round_lr=0.01, **optimizer):
+    """The optimizer chain per trained tree that the executors build for phase ``ph`` in a round of
+    lr ``round_lr`` on a run whose ``train.optimizer`` is ``OptimizerConfig(**optimizer)`` (default:
+    SGD, momentum 0.9, weight decay 1e-5)."""
+    from medpfl.config import OptimizerConfig
+    from medpfl.fl.optim import phase_optimizer
+
+    return phase_optimizer(ph, OptimizerConfig(**optimizer), round_lr, list(ph.trainable))
+
+
 def assert_trees_close(a, b, atol, rtol=0.0):
     if isinstance(a, dict):
         assert a.keys() == b.keys()
