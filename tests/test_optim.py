@@ -81,6 +81,17 @@ def test_zero_momentum_and_decay_leave_their_transformations_out():
     assert sgd(0.1).lr == 0.1 and chain(trace(0.9)).lr is None
 
 
+def test_a_later_transformation_never_changes_the_momentum_buffer():
+    """chain(trace(0.5), scale(2), scale(-0.1)): the buffer is b = 0.5 b + g, the step -0.2 b."""
+    w = {"w": torch.tensor([1.0], dtype=torch.float64)}
+    opt = chain(trace(0.5), scale(2.0), scale(-0.1))
+    state = opt.init(w)
+    for step, g in enumerate((1.0, 1.0), start=1):
+        opt.step_(w, {"w": torch.tensor([g], dtype=torch.float64)}, state, count=step)
+    assert float(state[0]["trace"]["w"]) == 1.5  # 0.5 * 1 + 1, not 0.5 * 2 + 1
+    assert float(w["w"]) == pytest.approx(1.0 - 0.2 * 1.0 - 0.2 * 1.5, abs=1e-15)
+
+
 def test_clip_by_global_norm_by_hand_and_per_client():
     """clip_grad_norm_: u * min(1, c / (||u|| + 1e-6)), the norm over the whole tree; per row of a stack."""
     u = {"a": torch.tensor([3.0]), "b": torch.tensor([0.0, 4.0])}  # ||u|| = 5

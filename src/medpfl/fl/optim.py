@@ -198,14 +198,19 @@ class Chain:
     @torch.no_grad()
     def step_(self, params: Params, grads: Params, state: list[State], count: int, per_client: bool = False) -> None:
         """One optimizer step, in place: ``w <- w + u`` with ``u`` the transformed ``grads``
-        (overwritten). A final :class:`Scale` is applied as ``w.add_(u, alpha=factor)``."""
+        (overwritten). A final :class:`Scale` is applied as ``w.add_(u, alpha=factor)``. A
+        transformation's state is never handed on to a later one (which may change its updates
+        in place): :class:`Trace`'s buffer is copied unless only the final scale follows it."""
         ts = self.transforms
         alpha = 1.0
         if ts and isinstance(ts[-1], Scale):
             ts, alpha = ts[:-1], ts[-1].factor
         u = grads
-        for t, s in zip(ts, state):
+        for i, (t, s) in enumerate(zip(ts, state)):
             u = t.update_(u, s, params, count=count, per_client=per_client)
+            if s and i < len(ts) - 1:  # trace returns its buffer: a later in-place transformation gets a copy
+                own = {id(b) for bufs in s.values() for b in bufs.values()}
+                u = {k: v.clone() if id(v) in own else v for k, v in u.items()}
         for k, p in params.items():
             p.add_(u[k], alpha=alpha)
 
