@@ -104,6 +104,16 @@ def batch_plan(n: int, batch_size: int, epochs: int, seed: int, round_idx: int, 
     return plan.view(epochs * steps, batch_size)
 
 
+def phase_chains(ph, round_lr=0.01, **optimizer):
+    """The optimizer chain per trained tree that the executors build for phase ``ph`` in a round of
+    lr ``round_lr`` on a run whose ``train.optimizer`` is ``OptimizerConfig(**optimizer)`` (default:
+    SGD, momentum 0.9, weight decay 1e-5)."""
+    from medpfl.config import OptimizerConfig
+    from medpfl.fl.optim import phase_optimizer
+
+    return phase_optimizer(ph, OptimizerConfig(**optimizer), round_lr, list(ph.trainable))
+
+
 def assert_trees_close(a, b, atol, rtol=0.0):
     if isinstance(a, dict):
         assert a.keys() == b.keys()

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 
 from medpfl.config import EvalConfig, TrainConfig
 from medpfl.fl.engine import Engine
-from medpfl.fl.functional import sgd_step_
+from medpfl.fl.optim import RunOptimizer, sgd
 from medpfl.fl.program import RoundInfo
-from tests.conftest import assert_trees_close, initial_params, make_algo
+from tests.conftest import assert_trees_close, initial_params, make_algo, phase_chains
 
 RND = RoundInfo(round=0, rounds=1, lr=0.1, num_clients=5, seed=1, base_lr=0.1)
 
@@ -40,8 +40,8 @@ def _alpha_step(algo, v, w, alpha, batch, rnd=RND):
     trees = {"model": w, "personal": v, "alpha": {"alpha": a}}
     (g,) = torch.autograd.grad(ph.loss(trees, {}, batch), [a])
     leaf = {"alpha": a.detach().clone()}
-    sgd_step_(leaf, {"alpha": g.clone()}, {"alpha": torch.zeros_like(g)}, ph.tree_lr("alpha", rnd.lr),
-              ph.momentum, ph.weight_decay)
+    opt = phase_chains(ph, rnd.lr)["alpha"]
+    opt.step_(leaf, {"alpha": g.clone()}, opt.init(leaf), count=1)
     return g, ph.project({"alpha": leaf})["alpha"]["alpha"]
 
 
@@ -52,11 +52,12 @@ def test_defaults_and_programs():
             cfg.personal_state, cfg.weighting) == (1.0, "round", 1.0, 0.02, "mixed", "v", "num_samples")
     train, alpha = algo.phases(RND)
     assert train.name == "train" and dict(train.trainable) == {"model": None, "personal": None}
-    assert train.momentum is None and train.lr is None  # w and v: the run's optimizer at the round's lr
-    assert alpha.name == "alpha" and alpha.steps == 1 and alpha.momentum == 0.0 and alpha.weight_decay == 0.0
+    assert train.optimizer == RunOptimizer()  # w and v: the run's optimizer at the round's lr
+    assert alpha.name == "alpha" and alpha.steps == 1 and alpha.optimizer == sgd(RND.lr)  # plain SGD
     (step,) = make_algo("apfl", alpha_update="step", alpha_lr_scale=0.5).phases(RND)
     assert dict(step.trainable) == {"model": None, "personal": None, "alpha": None}
-    assert step.tree_lr("alpha", 0.1) == pytest.approx(0.05) and step.tree_lr("model", 0.1) == 0.1
+    chains = phase_chains(step, 0.1)
+    assert chains["alpha"] == sgd(0.05, 0.9, 1e-5) and chains["model"] == chains["personal"] == sgd(0.1, 0.9, 1e-5)
     assert step.project is not None
     (fixed,) = make_algo("apfl", alpha_update="fixed").phases(RND)
     assert dict(fixed.trainable) == {"model": None, "personal": None}

@@ -14,11 +14,12 @@ import torch
 from medpfl.algorithms.apple import dr_lambda
 from medpfl.config import EvalConfig, TrainConfig
 from medpfl.fl.engine import Engine
-from medpfl.fl.functional import model_state, sgd_step_
+from medpfl.fl.functional import model_state
+from medpfl.fl.optim import sgd
 from medpfl.models import build_model
 from medpfl.fl.program import RoundInfo
 from medpfl.fl.program import Federation
-from tests.conftest import assert_trees_close, make_algo
+from tests.conftest import assert_trees_close, make_algo, phase_chains
 
 RND = RoundInfo(round=0, rounds=10, lr=0.1, num_clients=2, seed=1, base_lr=0.1)
 
@@ -48,11 +49,12 @@ def test_defaults_and_program():
     rnd = RoundInfo(round=3, rounds=10, lr=0.05, num_clients=7, base_lr=0.1)
     (ph,) = algo.phases(rnd)
     assert ph.name == "train" and dict(ph.trainable) == {"core": None, "dr": None}
-    assert ph.momentum is None and ph.weight_decay is None  # the run's optimizer for both trees
-    assert ph.tree_lr("core", rnd.lr) == pytest.approx(0.05) and ph.tree_lr("dr", rnd.lr) == pytest.approx(1e-3)
+    chains = phase_chains(ph, rnd.lr)  # the run's optimizer (momentum 0.9, weight decay 1e-5), each tree its lr
+    assert chains["core"] == sgd(0.05, 0.9, 1e-5) and chains["dr"].transforms[:-1] == chains["core"].transforms[:-1]
+    assert chains["dr"].lr == pytest.approx(1e-3)
     (k_ph,) = make_algo("apple", core_lr_times_k=True, dr_lr_decay=True).phases(rnd)
-    assert k_ph.tree_lr("core", rnd.lr) == pytest.approx(0.35)  # PFLlib: lr x N
-    assert k_ph.tree_lr("dr", rnd.lr) == pytest.approx(0.5e-3)  # authors: lr_coef x decay^r
+    assert phase_chains(k_ph, rnd.lr)["core"].lr == pytest.approx(0.35)  # PFLlib: lr x N
+    assert phase_chains(k_ph, rnd.lr)["dr"].lr == pytest.approx(0.5e-3)  # authors: lr_coef x decay^r
     assert set(algo.upload_spec()) == {"core", "num_samples"}
     assert set(algo.upload_spec()["core"].shapes) == set(algo.forward.trainable)
 
@@ -124,7 +126,8 @@ def test_dr_vector_gradient_step_hand_case():
     torch.testing.assert_close(gc["classifier.bias"], 0.7 * _t(-a, a), atol=1e-12, rtol=0)
     # the engine's step on p at the phase's lr (1e-3, absolute), no momentum, no weight decay
     leaf = {"p": p.clone()}
-    sgd_step_(leaf, {"p": gp.clone()}, {"p": torch.zeros_like(gp)}, ph.tree_lr("dr", RND.lr), 0.0, 0.0)
+    opt = phase_chains(ph, RND.lr, momentum=0.0, weight_decay=0.0)["dr"]
+    opt.step_(leaf, {"p": gp.clone()}, opt.init(leaf), count=1)
     torch.testing.assert_close(leaf["p"], _t(0.7 - 1e-3 * (-a + 0.02), 0.3 - 1e-3 * (a - 0.02)), atol=1e-15, rtol=0)
     # lambda_t = 0 at the end of the horizon: no proximal pull
     late = RoundInfo(round=10, rounds=10, lr=0.1, num_clients=2, base_lr=0.1)

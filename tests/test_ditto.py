@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from medpfl.config import EvalConfig, TrainConfig
 from medpfl.fl.engine import Engine
+from medpfl.fl.optim import RunOptimizer
 from medpfl.fl.program import RoundInfo
 from tests.conftest import assert_trees_close, initial_params, make_algo
 
@@ -84,7 +85,7 @@ def test_default_program_is_one_phase_training_both_models():
     assert len(phases) == 1
     ph = phases[0]
     assert ph.name == "train" and dict(ph.trainable) == {"model": None, "personal": None}
-    assert ph.epochs is None and ph.lr is None and ph.momentum is None  # the run's training settings
+    assert ph.epochs is None and ph.optimizer == RunOptimizer()  # the run's training settings
 
 
 def test_personal_epochs_gives_a_second_phase_on_the_personal_model_only():

@@ -8,7 +8,6 @@ import torch
 from medpfl.config import EvalConfig, TrainConfig
 from medpfl.fl.engine import Engine
 from medpfl.fl.executors import SequentialExecutor
-from medpfl.fl.functional import sgd_step_
 from medpfl.fl.program import Download, Phase, RoundInfo, phase_plan
 from medpfl.fl.sampling import client_schedule
 from medpfl.fl.stacked import StackedExecutor
@@ -59,26 +58,6 @@ def test_phase_plan_subset_steps_and_order():
     assert len(window) == 10 and torch.equal(window, torch.arange(int(window[0]), int(window[0]) + 10))
     assert torch.equal(plan[3:6], plan[:3])  # the same window, in order, every epoch
     assert phase_plan(20, 4, 1, 1, 0, 3, Phase(name="p", steps=7)).shape == (7, 4)  # 5 per epoch, cycled
-
-
-def test_sgd_step_matches_torch_sgd_also_on_stack_rows():
-    torch.manual_seed(0)
-    w = torch.randn(5, 3)
-    ref = w.clone().requires_grad_()
-    opt = torch.optim.SGD([ref], lr=0.1, momentum=0.9, weight_decay=0.01)
-    p, buf = {"w": w.clone()}, {"w": torch.zeros_like(w)}
-    stack, sbuf = torch.stack([w, w, w]), torch.zeros(3, 5, 3)
-    for _ in range(4):
-        g = torch.randn(5, 3)
-        opt.zero_grad()
-        ref.grad = g.clone()
-        opt.step()
-        sgd_step_(p, {"w": g.clone()}, buf, 0.1, 0.9, 0.01)
-        # the first two rows of a stack, updated in place through views
-        sgd_step_({"w": stack[:2]}, {"w": torch.stack([g, g])}, {"w": sbuf[:2]}, 0.1, 0.9, 0.01)
-    torch.testing.assert_close(p["w"], ref.detach(), atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(stack[0], ref.detach(), atol=1e-6, rtol=1e-6)
-    assert torch.equal(stack[2], w) and torch.all(sbuf[2] == 0)  # the row left out is untouched
 
 
 def _run(fed_data, method, executor, rounds=3, participation=0.6, epochs=1, checkpoint=None, callbacks=(),
@@ -313,23 +292,6 @@ def test_phase_epochs_zero_skips_and_none_means_local_epochs(fed_data, executor)
         out[name] = ex.train_clients(algo, Download(shared={"model": g}), {}, clients, rnd)[0]
     assert_trees_close(out["default"], out["two"], atol=0)
     assert not torch.allclose(out["default"]["fc.weight"], out["one"]["fc.weight"])
-
-
-@pytest.mark.parametrize("wd", [0.0, 0.01])
-def test_sgd_step_without_momentum_is_torch_sgd_bit_for_bit(wd):
-    """momentum 0: w <- w - lr (g + wd w), as torch.optim.SGD, with the buffer left unused."""
-    torch.manual_seed(0)
-    w = torch.randn(5, 3)
-    ref = w.clone().requires_grad_()
-    opt = torch.optim.SGD([ref], lr=0.1, momentum=0.0, weight_decay=wd)
-    p, buf = {"w": w.clone()}, {"w": torch.zeros_like(w)}
-    for _ in range(3):
-        g = torch.randn(5, 3)
-        ref.grad = g.clone()
-        opt.step()
-        sgd_step_(p, {"w": g.clone()}, buf, 0.1, 0.0, wd)
-    assert torch.equal(p["w"], ref.detach())
-    assert not torch.equal(p["w"], w)
 
 
 def test_weighted_ce_is_cross_entropy_bit_for_bit_also_under_vmap():

@@ -13,6 +13,7 @@ from medpfl.algorithms.fedavg import FedAvg
 from medpfl.config import EvalConfig, TrainConfig
 from medpfl.fl.engine import Engine
 from medpfl.fl.payload import payload_nbytes
+from medpfl.fl.optim import sgd
 from medpfl.fl.program import Phase
 from medpfl.fl.tree import tree_index
 from tests.conftest import assert_trees_close, make_algo
@@ -54,7 +55,7 @@ class _Adapt(FedAvg):
         return server["model"]
 
     def adaptation_phases(self, rnd):
-        return [Phase(name="adapt", steps=1, lr=0.5, momentum=0.0, weight_decay=0.0)]
+        return [Phase(name="adapt", steps=1, optimizer=sgd(0.5))]
 
 
 def _engine(algo, fed_data, executor, **kw):

@@ -9,6 +9,7 @@ from medpfl.algorithms.fedala import ala_mix
 from medpfl.config import TrainConfig
 from medpfl.fl.executors import SequentialExecutor
 from medpfl.fl.functional import weighted_ce
+from medpfl.fl.optim import RunOptimizer, sgd
 from medpfl.fl.program import RoundInfo, Until, phase_plan
 from medpfl.fl.program import Federation
 from tests.conftest import initial_params, make_algo
@@ -82,17 +83,16 @@ def test_ala_phase_settings_and_projection():
     assert [p.name for p in phases] == ["ala", "train"]
     ala = phases[0]
     assert dict(ala.trainable) == {"ala": None}
-    assert ala.lr == 1.0 == algo.cfg.eta and ala.tree_lr("ala", RND.lr) == 1.0  # absolute, not the round's lr
-    assert ala.momentum == 0.0 and ala.weight_decay == 0.0
+    assert algo.cfg.eta == 1.0 and ala.optimizer == sgd(1.0)  # absolute, not the round's lr; plain SGD
     assert ala.subset == pytest.approx(0.8) and ala.shuffle is False
     assert ala.until == Until(window=10, threshold=0.01, max_epochs=100)
     out = ala.project({"ala": {"classifier.bias": torch.tensor([-0.5, 0.3, 1.7, 0.0, 1.0])}})
     assert torch.equal(out["ala"]["classifier.bias"], torch.tensor([0.0, 0.3, 1.0, 0.0, 1.0]))
     other = make_algo("fedala", eta=0.5, rand_percent=50.0).phases(RND)[0]
-    assert other.lr == 0.5 and other.subset == pytest.approx(0.5)
+    assert other.optimizer == sgd(0.5) and other.subset == pytest.approx(0.5)
     # the train phase trains the model at the round's lr with the configured optimizer
     train = phases[1]
-    assert dict(train.trainable) == {"model": None} and train.lr is None and train.momentum is None
+    assert dict(train.trainable) == {"model": None} and train.optimizer == RunOptimizer()
 
 
 def test_ala_epochs_zero_while_local_equals_global_on_first_tensor():

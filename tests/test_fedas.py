@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from medpfl.algorithms.fedas import prototype_alignment_loss
+from medpfl.fl.optim import sgd
 from medpfl.fl.program import RoundInfo, select
 from medpfl.models import build_model
 from medpfl.fl.program import Federation
@@ -132,8 +133,7 @@ def test_phases_align_body_of_aligned_then_train_the_personal_model():
     assert [p.name for p in phases] == ["align", "train"]
     align, train = phases
     assert dict(align.trainable) == {"aligned": "body"}
-    assert align.lr == 0.01 and align.batch_size == 16 and align.momentum == 0.0 and align.epochs == 1
-    assert align.tree_lr("aligned", 0.05) == 0.01  # not the round's lr
+    assert align.optimizer == sgd(0.01) and align.batch_size == 16 and align.epochs == 1  # plain SGD, not the round's lr
     params = initial_params()
     names = select(params, "body", algo.forward.parts, algo.forward.buffers, "test")
     assert sorted(names) == sorted(k for k in params if not k.startswith("classifier."))

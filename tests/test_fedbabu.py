@@ -11,6 +11,7 @@ from medpfl.config import EvalConfig, TrainConfig
 from medpfl.fl.engine import Engine
 from medpfl.fl.evaluation import eval_groups
 from medpfl.fl.executors import SequentialExecutor
+from medpfl.fl.optim import sgd
 from medpfl.fl.program import RoundInfo
 from medpfl.fl.program import Federation
 from tests.conftest import initial_params, make_algo
@@ -202,8 +203,8 @@ def test_finetune_phase_defaults_and_parts():
     train, ft = phases
     assert dict(train.trainable) == {"model": "body"}
     assert dict(ft.trainable) == {"personal": None}  # the whole model
-    assert ft.lr == 1e-3 and ft.tree_lr("personal", RND.lr) == 1e-3
-    assert ft.momentum == 0.9 and ft.weight_decay == 0.0 and ft.batch_size == 50 and ft.epochs == 5
+    assert ft.optimizer == sgd(1e-3, momentum=0.9, weight_decay=0.0)  # SGD whatever the run's optimizer
+    assert ft.batch_size == 50 and ft.epochs == 5
     p = initial_params()
     out = ft.init({"model": p}, {})
     assert set(out) == {"model", "personal"}
@@ -213,7 +214,7 @@ def test_finetune_phase_defaults_and_parts():
         assert dict(algo.phases(RND)[1].trainable) == {"personal": part}
         assert dict(make_algo("fedbabu", finetune_part=part).adaptation_phases(RND)[0].trainable) == {"model": part}
     algo = make_algo("fedbabu", personalization="per_visit", finetune_lr=None)
-    assert algo.phases(RND)[1].tree_lr("personal", 0.005) == 0.005
+    assert algo.phases(RND)[1].optimizer == sgd(RND.lr, momentum=0.9)  # the round's lr
 
 
 def test_no_finetuning_gives_one_phase_and_the_trained_model_as_personal():

@@ -8,10 +8,11 @@ import torch.nn.functional as F
 
 from medpfl.algorithms.fedkd import energy_threshold, kl_mean, mutual_distillation_loss
 from medpfl.fl.payload import LowRank, decode_tree, encode_tree, payload_nbytes, svd_decode, svd_encode
+from medpfl.fl.optim import clip_by_global_norm
 from medpfl.fl.program import RoundInfo
 from medpfl.fl.tree import tree_stack
 from medpfl.fl.program import Federation
-from tests.conftest import initial_params, make_algo
+from tests.conftest import initial_params, make_algo, phase_chains
 from tests.helpers import low_rank_delta
 
 
@@ -162,10 +163,11 @@ def test_phase_and_finish():
     rnd = RoundInfo(round=0, rounds=4, lr=0.01, num_clients=3, seed=1, base_lr=0.01)
     (ph,) = algo.phases(rnd)
     assert dict(ph.trainable) == {"mentor": None, "mentee": None, "w_h": None}
-    assert ph.max_grad_norm == 10.0
-    assert ph.tree_lr("mentee", 0.01) == pytest.approx(0.005) and ph.tree_lr("mentor", 0.01) == pytest.approx(0.01)
+    chains = phase_chains(ph, 0.01)
+    assert all(c.transforms[0] == clip_by_global_norm(10.0) for c in chains.values())  # each model clipped
+    assert chains["mentee"].lr == pytest.approx(0.005) and chains["mentor"].lr == chains["w_h"].lr == 0.01
     # decayed alike: at a round lr of 0.005 the mentee gets 0.0025
-    assert ph.tree_lr("mentee", 0.005) == pytest.approx(0.0025)
+    assert phase_chains(ph, 0.005)["mentee"].lr == pytest.approx(0.0025)
     assert dict(make_algo("fedkd", hidden_loss=False).phases(rnd)[0].trainable) == {"mentor": None, "mentee": None}
 
     p = initial_params()

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from medpfl.algorithms.fedkper import adaptive_kd_loss, aggregation_scores, aggregation_weights, diversity_score
 from medpfl.fl.functional import weighted_average
+from medpfl.fl.optim import RunOptimizer
 from medpfl.fl.program import RoundInfo
 from tests.conftest import initial_params, make_algo
 
@@ -123,8 +124,8 @@ def test_paper_defaults_and_knobs():
     algo = make_algo("fedkper")
     assert algo.cfg.lambda_cap == 10.0 and algo.cfg.clip_grad_norm == 5.0 and algo.cfg.score_eps == 1e-12
     rnd = RoundInfo(round=0, rounds=1, lr=0.01, num_clients=2)
-    assert [ph.max_grad_norm for ph in algo.phases(rnd)] == [5.0]
-    assert [ph.max_grad_norm for ph in make_algo("fedkper", clip_grad_norm=None).phases(rnd)] == [None]
+    assert [ph.optimizer for ph in algo.phases(rnd)] == [RunOptimizer(max_grad_norm=5.0)]
+    assert [ph.optimizer for ph in make_algo("fedkper", clip_grad_norm=None).phases(rnd)] == [RunOptimizer()]
 
 
 def test_aggregation_is_not_fedavg_unless_switched_off():

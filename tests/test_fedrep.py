@@ -10,6 +10,7 @@ from medpfl.algorithms.fedrep import FedRep
 from medpfl.config import EvalConfig, TrainConfig
 from medpfl.fl.engine import Engine
 from medpfl.fl.executors import SequentialExecutor
+from medpfl.fl.optim import RunOptimizer
 from medpfl.fl.program import RoundInfo
 from medpfl.fl.program import Federation
 from tests.conftest import initial_params, make_algo
@@ -28,7 +29,7 @@ def test_phases_defaults_and_the_pfllib_variant():
     assert [head.name, body.name] == ["head", "train"]  # head first
     assert dict(head.trainable) == {"model": "head"} and dict(body.trainable) == {"model": "body"}
     assert head.epochs == 10 and body.epochs == 1  # official scripts: 10 head epochs; --local_rep_ep 1
-    assert head.lr is None and body.lr is None  # one optimizer at the round's lr (official, PFLlib)
+    assert head.optimizer == body.optimizer == RunOptimizer()  # the run's optimizer at the round's lr (official, PFLlib)
     h, b = make_algo("fedrep", head_epochs=1, body_epochs=None).phases(RND)  # PFLlib: plocal 1, then E
     assert h.epochs == 1 and b.epochs is None
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from medpfl.algorithms.fedrod import balanced_softmax_ce, label_log_prior
 from medpfl.config import EvalConfig, TrainConfig
 from medpfl.fl.engine import Engine
+from medpfl.fl.optim import RunOptimizer
 from medpfl.fl.program import RoundInfo
 from medpfl.fl.program import Federation
 from tests.conftest import initial_params, make_algo
@@ -88,7 +89,7 @@ def test_predict_sums_both_heads_and_the_global_model_is_the_generic_one():
 def test_phase_state_and_uploads():
     algo = make_algo("fedrod")
     (ph,) = algo.phases(RND)
-    assert ph.name == "train" and dict(ph.trainable) == {"model": None, "personal": None} and ph.lr is None
+    assert ph.name == "train" and dict(ph.trainable) == {"model": None, "personal": None} and ph.optimizer == RunOptimizer()
     p0 = initial_params()
     state = algo.init_client_state(p0, 0, Federation(5))
     assert set(state) == {"personal"} and set(state["personal"]) == set(HEAD)

@@ -8,6 +8,7 @@ import torch
 
 from medpfl.config import TrainConfig
 from medpfl.fl.executors import SequentialExecutor
+from medpfl.fl.optim import sgd
 from medpfl.fl.program import RoundInfo, phase_plan
 from medpfl.algorithms.perfedavg import first_order_maml_loss
 from tests.linear_model import as_np, ce_grad, linear_algo, random_params
@@ -82,7 +83,7 @@ def test_short_batch_splits_alike_exact_and_padded():
 def test_evaluation_adapts_with_alpha_then_beta(fed_data):
     algo, ex, rnd = _setup(fed_data, beta=0.3)
     phases = algo.adaptation_phases(rnd)
-    assert [(p.steps, p.lr, p.momentum, p.weight_decay) for p in phases] == [(1, 0.05, 0.0, 0.0), (1, 0.3, 0.0, 0.0)]
+    assert [(p.steps, p.optimizer) for p in phases] == [(1, sgd(0.05)), (1, sgd(0.3))]  # plain SGD at alpha, beta
     assert phases[0].name != phases[1].name  # two different batches (orders keyed by the name)
     assert linear_algo("perfedavg", D_IN, C, adapt_at_eval=False).adaptation_phases(rnd) == []
     w = random_params(D_IN, C, seed=4)

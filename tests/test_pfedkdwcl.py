@@ -18,6 +18,7 @@ from medpfl.fl.data import FederatedData
 from medpfl.fl.engine import Engine
 from medpfl.fl.executors import SequentialExecutor
 from medpfl.fl.payload import UploadSpecError, check_upload, payload_nbytes
+from medpfl.fl.optim import RunOptimizer
 from medpfl.fl.program import Download, RoundInfo, phase_plan
 from medpfl.fl.sampling import seeded_cpu_rng
 from medpfl.fl.stacked import StackedExecutor
@@ -61,7 +62,7 @@ def test_defaults_and_phase():
     (ph,) = algo.phases(RND)
     assert ph.name == "train" and dict(ph.trainable) == {"theta": None} and ph.steps == 20
     # the run's optimizer and batch size (the study: SGD lr 0.01, no momentum/decay, batch 20)
-    assert ph.lr is None and ph.momentum is None and ph.weight_decay is None and ph.batch_size is None
+    assert ph.optimizer == RunOptimizer() and ph.batch_size is None
     assert make_algo("pfedkdwcl", local_steps=None).phases(RND)[0].steps is None  # train.local_epochs epochs
 
 

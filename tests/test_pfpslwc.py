@@ -15,6 +15,7 @@ from medpfl.algorithms.pfpslwc import PFPSLWC, head_l2_norm, recall_distance
 from medpfl.config import EvalConfig, TrainConfig
 from medpfl.fl.engine import Engine
 from medpfl.fl.executors import SequentialExecutor
+from medpfl.fl.optim import RunOptimizer
 from medpfl.fl.program import RoundInfo
 from tests.conftest import initial_params, make_algo
 
@@ -113,8 +114,7 @@ def test_phases_and_the_recall_schedule():
     assert [recall.name, train.name] == ["recall", "train"]
     assert dict(recall.trainable) == {"model": "body"} and dict(train.trainable) == {"model": None}
     # the local training's optimizer and batch size (spec B.2 READING)
-    assert recall.lr is None and recall.momentum is None and recall.weight_decay is None and recall.batch_size is None
-    assert recall.tree_lr("model", RND.lr) == RND.lr
+    assert recall.optimizer == RunOptimizer() and recall.batch_size is None  # the run's, at the round's lr
     assert int(recall.epochs({"trained": torch.tensor(0.0)})) == 0  # first participation: no theta_l
     assert int(recall.epochs({"trained": torch.tensor(1.0)})) == 1
     assert int(make_algo("pfpslwc", recall_epochs=5).phases(RND)[0].epochs({"trained": torch.tensor(1.0)})) == 5

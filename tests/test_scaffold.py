@@ -11,11 +11,11 @@ import torch.nn.functional as F
 
 from medpfl.config import EvalConfig, TrainConfig
 from medpfl.fl.engine import Engine
-from medpfl.fl.functional import sgd_step_
+from medpfl.fl.optim import sgd
 from medpfl.fl.payload import check_upload, payload_nbytes
 from medpfl.fl.program import RoundInfo
 from medpfl.fl.program import Federation
-from tests.conftest import assert_trees_close, initial_params, make_algo
+from tests.conftest import assert_trees_close, initial_params, make_algo, phase_chains
 
 RND = RoundInfo(round=0, rounds=1, lr=0.05, num_clients=5, seed=1, base_lr=0.05)
 
@@ -37,9 +37,9 @@ def test_defaults():
         (1.0, "uniform", 0.0, 0.0, True)
     (ph,) = algo.phases(RND)
     assert ph.name == "train" and dict(ph.trainable) == {"model": None}
-    assert ph.momentum == 0.0 and ph.weight_decay == 0.0 and ph.lr is None  # plain SGD at the round's lr
+    assert phase_chains(ph, RND.lr) == {"model": sgd(RND.lr)}  # plain SGD at the round's lr on an SGD run
     run_opt = make_algo("scaffold", momentum=None, weight_decay=None).phases(RND)[0]
-    assert run_opt.momentum is None and run_opt.weight_decay is None  # None: the run's optimizer
+    assert phase_chains(run_opt, RND.lr) == {"model": sgd(RND.lr, 0.9, 1e-5)}  # None: the run's optimizer
 
 
 def test_corrected_gradient_is_ce_gradient_plus_c_minus_ci():
@@ -101,14 +101,15 @@ def test_option_ii_is_the_mean_local_gradient_along_the_path():
     trees, ctx = algo.begin({"model": x, "c": c}, {"c": ci}, {}, RND)
     ctx = {**algo.shared_context({"model": x, "c": c}, RND), **ctx}
     y = {k: v.clone() for k, v in trees["model"].items()}
-    buf = {k: torch.zeros_like(v) for k, v in y.items()}
+    opt = sgd(RND.lr)
+    opt_state = opt.init(y)
     ce_grads = []
     for b in batches:
         leaves = {k: v.clone().requires_grad_() for k, v in y.items()}
         ce = F.cross_entropy(algo.forward(leaves, b["x"]), b["y"])
         ce_grads.append([t.detach() for t in torch.autograd.grad(ce, list(leaves.values()))])
         g = dict(zip(leaves, torch.autograd.grad(algo.local_loss({"model": leaves}, ctx, b), list(leaves.values()))))
-        sgd_step_(y, g, buf, RND.lr, 0.0, 0.0)
+        opt.step_(y, g, opt_state, count=len(ce_grads))
     info = {"num_samples": torch.tensor(15.0, dtype=torch.float64), "steps": {"train": torch.tensor(len(batches))}}
     _, state, _ = algo.finish({"model": y}, ctx, {"c": ci}, info, RND)
     for j, k in enumerate(y):

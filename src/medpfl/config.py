@@ -566,13 +566,34 @@ def partition_from_job(config: dict[str, Any]) -> PartitionConfigBase:
     return cls.model_validate(keep)
 
 
-class OptimizerConfig(_Strict):
-    """Client SGD (PyTorch semantics: ``d = g + wd*w; b = m*b + d; w -= lr*b``)."""
+_ADAM_DEFAULTS = {"betas": (0.9, 0.999), "eps": 1e-8, "decoupled_weight_decay": False}
 
-    name: Literal["sgd"] = "sgd"
+
+class OptimizerConfig(_Strict):
+    """The client optimizer of every phase that does not declare its own (``medpfl.fl.optim``).
+
+    ``sgd``: ``torch.optim.SGD`` (dampening 0, no Nesterov): ``d = g + wd*w; b = m*b + d;
+    w -= lr*b``. ``adam``: ``torch.optim.Adam`` (Kingma & Ba, ICLR 2015, Alg. 1, bias-corrected,
+    eps outside the square root) with ``betas`` and ``eps``; ``weight_decay`` is added to the
+    gradient (L2, torch's Adam) or, with ``decoupled_weight_decay: true``, decoupled as AdamW
+    (Loshchilov & Hutter, ICLR 2019; ``torch.optim.AdamW``). ``momentum`` is SGD's only: an
+    adam run sets it to null (or leaves it out). Set ``lr`` for Adam too (the paper's and
+    PyTorch's default is 1e-3). ``betas``, ``eps`` and ``decoupled_weight_decay`` are Adam's
+    only."""
+
+    name: Literal["sgd", "adam"] = "sgd"
     lr: float = Field(0.01, gt=0.0)
-    momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    momentum: float | None = Field(0.9, ge=0.0, lt=1.0, validate_default=True,
+                                   description="sgd: heavy-ball momentum (torch.optim.SGD); adam: null")
     weight_decay: float = Field(1e-5, ge=0.0)
+    betas: tuple[float, float] = Field(_ADAM_DEFAULTS["betas"], validate_default=True,
+                                       description="adam: (beta1, beta2), the moments' decay rates (Kingma & Ba "
+                                                   "2015 Sec. 2 and torch: 0.9, 0.999)")
+    eps: float = Field(_ADAM_DEFAULTS["eps"], ge=0.0, validate_default=True,
+                       description="adam: added to sqrt(v_hat) (Kingma & Ba 2015 and torch: 1e-8)")
+    decoupled_weight_decay: bool = Field(_ADAM_DEFAULTS["decoupled_weight_decay"], validate_default=True,
+                                         description="adam: weight decay decoupled from the gradient (AdamW, "
+                                                     "Loshchilov & Hutter 2019)")
     lr_decay: float = Field(0.99, gt=0.0, le=1.0, description="lr multiplier per round (StepLR(1, gamma)); "
                                                              "schedule: exponential only")
     schedule: Literal["exponential", "cosine"] = Field(
@@ -580,6 +601,34 @@ class OptimizerConfig(_Strict):
                                    "eta_min) stepped once per round (FHBench code: T_max = rounds = 200, eta_min 1e-6)")
     min_lr: float = Field(1e-6, ge=0.0, description="cosine: eta_min (FHBench code: 1e-6)")
     t_max: int | None = Field(None, ge=1, description="cosine: T_max in rounds (null: train.rounds)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _adam_momentum_unset(cls, data: Any) -> Any:
+        """An adam run that does not mention momentum has none (not SGD's default 0.9)."""
+        if isinstance(data, dict) and data.get("name") == "adam" and "momentum" not in data:
+            return {**data, "momentum": None}
+        return data
+
+    @field_validator("momentum")
+    @classmethod
+    def _momentum(cls, v: float | None, info) -> float | None:
+        name = info.data.get("name")
+        if name == "adam" and v is not None:
+            raise ValueError(f"applies to name: sgd only (Adam has no heavy-ball momentum; its first-moment decay "
+                             f"is betas[0]); set momentum: null for adam (got {v:g})")
+        if name == "sgd" and v is None:
+            raise ValueError("name: sgd needs a number (0 for plain SGD); null is for adam")
+        return v
+
+    @field_validator("betas", "eps", "decoupled_weight_decay")
+    @classmethod
+    def _adam_only(cls, v: Any, info) -> Any:
+        if info.field_name == "betas" and not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError(f"each beta must be in [0, 1), got {v}")
+        if info.data.get("name") == "sgd" and v != _ADAM_DEFAULTS[info.field_name]:
+            raise ValueError(f"applies to name: adam only (got {v} with name: sgd)")
+        return v
 
     def round_lr(self, r: int, rounds: int) -> float:
         """The learning rate of round ``r`` (0-based) of ``rounds``: ``lr * lr_decay**r``, or with
@@ -592,12 +641,19 @@ class OptimizerConfig(_Strict):
 
     @model_serializer(mode="wrap")
     def _drop_later_defaults(self, handler):
-        """The schedule keys (added after runs existed) are not dumped at their defaults, so the
-        job descriptions of exponential-decay runs stay as they were."""
+        """The schedule keys and Adam's (added after runs existed) are not dumped at their
+        defaults, nor an adam run's null momentum, so the job descriptions of SGD runs with
+        exponential decay stay as they were."""
         out = handler(self)
-        if isinstance(out, dict) and out.get("schedule") == "exponential":
-            for k in ("schedule", "min_lr", "t_max"):
-                out.pop(k, None)
+        if isinstance(out, dict):
+            if out.get("schedule") == "exponential":
+                for k in ("schedule", "min_lr", "t_max"):
+                    out.pop(k, None)
+            for k, default in _ADAM_DEFAULTS.items():
+                if k in out and (tuple(out[k]) if isinstance(out[k], list) else out[k]) == default:
+                    out.pop(k)  # betas: a list in mode="json"
+            if out.get("momentum", 0.0) is None:
+                out.pop("momentum")
         return out
 
 

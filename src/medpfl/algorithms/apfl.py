@@ -102,6 +102,7 @@ from medpfl.algorithms.aggregation import client_weights
 from medpfl.algorithms.base import MODEL_UPLOAD, Algorithm, MethodConfig
 from medpfl.algorithms.inner import grad_of_trainable
 from medpfl.fl.functional import Params, clone_params, weighted_average, weighted_ce
+from medpfl.fl.optim import RunOptimizer, sgd
 from medpfl.fl.program import Federation, Phase, RoundInfo
 
 
@@ -234,7 +235,7 @@ class APFL(Algorithm):
         cfg = self.cfg
         if cfg.alpha_update == "step":
             return [Phase(trainable={"model": None, "personal": None, "alpha": None}, loss=self.train_loss,
-                          lr_scale={"alpha": cfg.alpha_lr_scale}, project=self.clip_alpha)]
+                          optimizer={"alpha": RunOptimizer(lr_scale=cfg.alpha_lr_scale)}, project=self.clip_alpha)]
         train = Phase(trainable={"model": None, "personal": None}, loss=self.train_loss)
         if cfg.alpha_update == "fixed":
             return [train]
@@ -243,7 +244,7 @@ class APFL(Algorithm):
             return self.alpha_loss(trees["personal"], trees["model"], trees["alpha"]["alpha"], batch)
 
         return [train, Phase(name="alpha", trainable={"alpha": None}, loss=loss, steps=1,
-                             lr_scale=cfg.alpha_lr_scale, momentum=0.0, weight_decay=0.0, project=self.clip_alpha)]
+                             optimizer=sgd(rnd.lr * cfg.alpha_lr_scale), project=self.clip_alpha)]
 
     def finish(self, trees, ctx, state, info, rnd):
         w, v, alpha = trees["model"], trees["personal"], trees["alpha"]["alpha"]

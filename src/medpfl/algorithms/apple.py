@@ -100,6 +100,7 @@ from pydantic import Field
 from medpfl.algorithms.base import Algorithm, MethodConfig
 from medpfl.fl.functional import Params, weighted_ce
 from medpfl.fl.payload import ArraySpec, TreeSpec
+from medpfl.fl.optim import RunOptimizer
 from medpfl.fl.program import Download, Federation, Phase, RoundInfo
 
 
@@ -239,7 +240,7 @@ class APPLE(Algorithm):
         core_scale = float(rnd.num_clients) if cfg.core_lr_times_k else 1.0
         dr_scale = dr_lr / rnd.lr if rnd.lr > 0 else 0.0
         return [Phase(trainable={"core": None, "dr": None}, loss=self.dr_loss(lam),
-                      lr_scale={"core": core_scale, "dr": dr_scale})]
+                      optimizer={"core": RunOptimizer(lr_scale=core_scale), "dr": RunOptimizer(lr_scale=dr_scale)})]
 
     def finish(self, trees, ctx, state, info, rnd):
         core, p = trees["core"], trees["dr"]["p"]

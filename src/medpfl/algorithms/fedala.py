@@ -26,6 +26,7 @@ from pydantic import Field
 
 from medpfl.algorithms.base import MODEL_UPLOAD, Algorithm, MethodConfig
 from medpfl.fl.functional import Params, clone_params, weighted_ce
+from medpfl.fl.optim import sgd
 from medpfl.fl.program import Federation, Phase, RoundInfo, Until
 
 
@@ -86,8 +87,8 @@ class FedALA(Algorithm):
 
     def phases(self, rnd: RoundInfo) -> list[Phase]:
         c = self.cfg
-        ala = Phase(name="ala", trainable={"ala": None}, loss=self._ala_loss, epochs=self._ala_epochs, lr=c.eta,
-                    momentum=0.0, weight_decay=0.0, subset=c.rand_percent / 100.0, shuffle=False,
+        ala = Phase(name="ala", trainable={"ala": None}, loss=self._ala_loss, epochs=self._ala_epochs,
+                    optimizer=sgd(c.eta), subset=c.rand_percent / 100.0, shuffle=False,
                     project=lambda t: {"ala": {k: v.clamp(0.0, 1.0) for k, v in t["ala"].items()}},
                     until=Until(window=c.num_pre_loss, threshold=c.threshold, max_epochs=c.max_init_epochs),
                     until_applies=lambda ctx: ctx["first"] > 0.5)

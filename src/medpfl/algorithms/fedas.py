@@ -32,6 +32,7 @@ from torch.func import grad
 from medpfl.algorithms.base import Algorithm, MethodConfig, ModelUpload
 from medpfl.fl.functional import Params, clone_params, size_weights, weighted_average, weighted_ce
 from medpfl.fl.payload import ArraySpec, TreeSpec
+from medpfl.fl.optim import sgd
 from medpfl.fl.program import Federation, Pass, Phase, RoundInfo
 
 
@@ -118,7 +119,7 @@ class FedAS(Algorithm):
         if self.cfg.use_alignment and self.cfg.align_epochs > 0:
             out.insert(0, Phase(name="align", trainable={"aligned": "body"}, loss=self._align_loss,
                                 epochs=self.cfg.align_epochs, batch_size=self.cfg.align_batch_size,
-                                lr=self.cfg.align_lr, momentum=0.0, weight_decay=0.0))
+                                optimizer=sgd(self.cfg.align_lr)))
         return out
 
     def finish(self, trees, ctx, state, info, rnd):

@@ -40,6 +40,7 @@ from pydantic import Field
 from medpfl.algorithms.base import Algorithm, MethodConfig, ModelUpload
 from medpfl.fl.functional import Params, size_weights, weighted_average
 from medpfl.fl.payload import ArraySpec, TreeSpec
+from medpfl.fl.optim import sgd
 from medpfl.fl.program import Download, Federation, Phase, RoundInfo
 
 
@@ -90,19 +91,21 @@ class FedBABU(Algorithm):
     def begin(self, received, state, info, rnd):
         return {"model": {**state["head"], **received["body"]}}, {}
 
-    def finetune_phase(self, tree: str) -> Phase:
-        """``finetune_epochs`` of SGD on ``tree`` (its ``finetune_part``) at the fine-tuning lr,
-        momentum, weight decay and batch size (the FedBABU paper's personalization step)."""
+    def finetune_phase(self, tree: str, rnd: RoundInfo) -> Phase:
+        """``finetune_epochs`` of SGD on ``tree`` (its ``finetune_part``) at the fine-tuning lr
+        (null: the round's), momentum, weight decay and batch size (the FedBABU paper's
+        personalization step; SGD as the official notebook and PFLlib, whatever ``train.optimizer``)."""
         c = self.cfg
         part = None if c.finetune_part == "all" else c.finetune_part
+        lr = c.finetune_lr if c.finetune_lr is not None else rnd.lr
         return Phase(name="finetune", trainable={tree: part}, loss=self.ce_loss(tree), epochs=c.finetune_epochs,
-                     lr=c.finetune_lr, momentum=c.finetune_momentum, weight_decay=c.finetune_weight_decay,
+                     optimizer=sgd(lr, momentum=c.finetune_momentum, weight_decay=c.finetune_weight_decay),
                      batch_size=c.finetune_batch_size)
 
     def phases(self, rnd: RoundInfo) -> list[Phase]:
         out = [Phase(trainable={"model": "body"})]
         if self.per_visit and self.cfg.finetune_epochs > 0:
-            ft = self.finetune_phase("personal")
+            ft = self.finetune_phase("personal", rnd)
             out.append(dataclasses.replace(ft, init=lambda t, ctx: {**t, "personal": t["model"]}))
         return out
 
@@ -114,7 +117,7 @@ class FedBABU(Algorithm):
             return []
         if c.personalization == "final" and rnd.round != rnd.rounds - 1:
             return []
-        return [self.finetune_phase("model")]
+        return [self.finetune_phase("model", rnd)]
 
     def finish(self, trees, ctx, state, info, rnd):
         up = {"body": self.forward.part(trees["model"], "body"), "num_samples": info["num_samples"]}

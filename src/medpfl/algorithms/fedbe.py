@@ -48,7 +48,8 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from medpfl.algorithms.base import Algorithm, MethodConfig
-from medpfl.fl.functional import Params, sgd_step_, weighted_average
+from medpfl.fl.functional import Params, weighted_average
+from medpfl.fl.optim import sgd
 from medpfl.fl.program import RoundInfo
 from medpfl.fl.sampling import derive_seed
 
@@ -236,7 +237,9 @@ class FedBE(Algorithm):
         names = list(self.forward.trainable)
         for k in names:
             student[k].requires_grad_(True)
-        bufs = {k: torch.zeros_like(student[k]) for k in names}
+        trained = {k: student[k] for k in names}
+        opt = sgd(cfg.distill_lr, cfg.distill_momentum, cfg.distill_weight_decay)  # torch.optim.SGD (code set_opt)
+        opt_state = opt.init(trained)
         swa_sum = {k: torch.zeros_like(student[k]) for k in names} if cfg.swa else None
         swa_n = 0
         s = len(data)
@@ -252,8 +255,7 @@ class FedBE(Algorithm):
                 logits = self.forward(student, data.x(pos), train=True)
                 loss = distill_loss(logits, targets[pos.to(targets.device)], cfg.loss, cfg.kl_reduction)
                 grads = torch.autograd.grad(loss, [student[k] for k in names])
-                sgd_step_({k: student[k] for k in names}, dict(zip(names, grads)), bufs, cfg.distill_lr,
-                          cfg.distill_momentum, cfg.distill_weight_decay)
+                opt.step_(trained, dict(zip(names, grads)), opt_state, count=step + 1)
                 step += 1
                 if cfg.swa and step > cfg.swa_start and step % cfg.swa_freq == 0:
                     with torch.no_grad():

@@ -27,6 +27,7 @@ instead of the update; the original's update compression is used here.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from pydantic import Field
 from medpfl.algorithms.base import Algorithm, MethodConfig
 from medpfl.fl.functional import Params, clone_params, weighted_ce
 from medpfl.fl.payload import ArraySpec, TreeSpec, decode_tree, encode_tree
+from medpfl.fl.optim import RunOptimizer
 from medpfl.fl.program import Download, Federation, Phase, RoundInfo
 
 
@@ -125,8 +127,10 @@ class FedKD(Algorithm):
 
     def phases(self, rnd: RoundInfo) -> list[Phase]:
         trainable = {"mentor": None, "mentee": None, **({"w_h": None} if self.cfg.hidden_loss else {})}
-        return [Phase(trainable=trainable, loss=self._loss, max_grad_norm=self.cfg.max_grad_norm,
-                      lr_scale={"mentee": self.cfg.mentee_lr / (rnd.base_lr or rnd.lr)})]
+        clip = RunOptimizer(max_grad_norm=self.cfg.max_grad_norm)  # per model (PFLlib)
+        mentee = replace(clip, lr_scale=self.cfg.mentee_lr / (rnd.base_lr or rnd.lr))
+        return [Phase(trainable=trainable, loss=self._loss,
+                      optimizer={**dict.fromkeys(trainable, clip), "mentee": mentee})]
 
     def finish(self, trees, ctx, state, info, rnd):
         energy = energy_threshold(rnd.round, rnd.rounds, self.cfg.energy_start, self.cfg.energy_end)

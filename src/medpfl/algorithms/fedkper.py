@@ -29,6 +29,7 @@ from pydantic import Field
 from medpfl.algorithms.base import Algorithm, MethodConfig, ModelUpload, accuracy_pass
 from medpfl.fl.functional import Params, weighted_average, weighted_ce
 from medpfl.fl.payload import ArraySpec
+from medpfl.fl.optim import RunOptimizer
 from medpfl.fl.program import Pass, Phase, RoundInfo
 
 
@@ -106,7 +107,7 @@ class FedKPer(Algorithm):
         return {"teacher_logits": self.forward(ctx["teacher"], x)}
 
     def phases(self, rnd: RoundInfo) -> list[Phase]:
-        return [Phase(max_grad_norm=self.cfg.clip_grad_norm)]
+        return [Phase(optimizer=RunOptimizer(max_grad_norm=self.cfg.clip_grad_norm))]
 
     def passes(self, rnd: RoundInfo) -> list[Pass]:
         return [accuracy_pass(self)]  # A_k: the trained model on its local train set (eq. 6)

@@ -30,6 +30,7 @@ from pydantic import Field
 from medpfl.algorithms.base import MODEL_UPLOAD, Algorithm, MethodConfig
 from medpfl.algorithms.inner import grad_of_trainable
 from medpfl.fl.functional import weighted_ce
+from medpfl.fl.optim import RunOptimizer, sgd
 from medpfl.fl.program import Phase, RoundInfo
 
 
@@ -94,14 +95,15 @@ class PerFedAvg(Algorithm):
     def phases(self, rnd: RoundInfo) -> list[Phase]:
         if rnd.batch_size is None:
             raise ValueError("perfedavg needs the round's batch size (RoundInfo.batch_size) for its two-batch steps")
-        return [Phase(name="meta", loss=first_order_maml_loss(self, self._alpha(rnd), rnd.batch_size), lr=self.cfg.beta,
-                      steps=self.cfg.local_steps, batch_size=2 * rnd.batch_size)]
+        return [Phase(name="meta", loss=first_order_maml_loss(self, self._alpha(rnd), rnd.batch_size),
+                      optimizer=RunOptimizer(lr=self.cfg.beta), steps=self.cfg.local_steps,
+                      batch_size=2 * rnd.batch_size)]
 
     def adaptation_phases(self, rnd: RoundInfo) -> list[Phase]:
         if not self.cfg.adapt_at_eval:
             return []
-        return [Phase(name="adapt_alpha", steps=1, lr=self._alpha(rnd), momentum=0.0, weight_decay=0.0),
-                Phase(name="adapt_beta", steps=1, lr=self.cfg.beta, momentum=0.0, weight_decay=0.0)]
+        return [Phase(name="adapt_alpha", steps=1, optimizer=sgd(self._alpha(rnd))),
+                Phase(name="adapt_beta", steps=1, optimizer=sgd(self.cfg.beta))]
 
     def personalized_model(self, state, server):
         return server["model"]

@@ -53,6 +53,7 @@ from medpfl.algorithms.base import MODEL_UPLOAD, Algorithm, MethodConfig
 from medpfl.algorithms.inner import grad_of_trainable
 from medpfl.algorithms.pfedkdwcl import random_model_state
 from medpfl.fl.functional import Params, clone_params, weighted_average, weighted_ce
+from medpfl.fl.optim import sgd
 from medpfl.fl.program import Federation, Phase, RoundInfo
 
 
@@ -145,8 +146,8 @@ class PFedMe(Algorithm):
 
     def phases(self, rnd: RoundInfo) -> list[Phase]:
         trained = {"theta": None, "local": None} if self.cfg.local_update == "iteration" else {"theta": None}
-        return [Phase(name="train", trainable=trained, loss=self._loss(rnd.lr),
-                      steps=self.cfg.local_steps, momentum=0.0, weight_decay=0.0)]
+        return [Phase(name="train", trainable=trained, loss=self._loss(rnd.lr), steps=self.cfg.local_steps,
+                      optimizer=sgd(rnd.lr))]
 
     def finish(self, trees, ctx, state, info, rnd):
         local = trees["local"]

@@ -44,6 +44,7 @@ from pydantic import Field
 from medpfl.algorithms.base import MethodConfig
 from medpfl.algorithms.fedper import FedPer
 from medpfl.fl.functional import Params
+from medpfl.fl.optim import RunOptimizer
 from medpfl.fl.program import Phase, RoundInfo
 
 
@@ -116,8 +117,9 @@ class PFPSLWC(FedPer):
             return train
         c = self.cfg
         recall = Phase(name="recall", trainable={"model": "body"}, loss=self.recall_loss,
-                       epochs=self.recall_epochs_for, lr=c.recall_lr, batch_size=c.recall_batch_size,
-                       momentum=c.recall_momentum, weight_decay=c.recall_weight_decay)
+                       epochs=self.recall_epochs_for, batch_size=c.recall_batch_size,
+                       optimizer=RunOptimizer(lr=c.recall_lr, momentum=c.recall_momentum,
+                                              weight_decay=c.recall_weight_decay))
         return [recall, *train]
 
     def local_loss(self, trees, ctx, batch):

@@ -32,7 +32,10 @@ not: the option-II estimate below measures the displacement per unit lr, which w
 is about ``(g + c - c_i) / (1 - mu)`` per step (K >> 1/(1 - mu)), so the correction is amplified
 by 1/(1 - mu) on every round; with full participation and a locally constant gradient g_i the
 correction a_i = c - c_i then evolves as ``a_i <- (g_bar - g_i)/(1 - mu) - mu/(1 - mu) a_i``,
-which diverges for mu > 0.5 (mu = 0: ``a_i <- g_bar - g_i``, the intended correction).
+which diverges for mu > 0.5 (mu = 0: ``a_i <- g_bar - g_i``, the intended correction). On an
+Adam run (``train.optimizer.name: adam``) the phase is Adam on the corrected gradient (momentum
+0 is then no extra term) and option II measures Adam's displacement per unit lr, not the mean
+gradient: runnable, but not the paper's algorithm.
 
 **Control update, option II** (Alg. 1, line 12; float, per entry of P):
 
@@ -76,6 +79,7 @@ from medpfl.algorithms.aggregation import client_weights
 from medpfl.algorithms.base import Algorithm, MethodConfig
 from medpfl.fl.functional import Params, weighted_average, weighted_ce
 from medpfl.fl.payload import ArraySpec, TreeSpec
+from medpfl.fl.optim import RunOptimizer
 from medpfl.fl.program import Download, Federation, Phase, RoundInfo
 
 
@@ -175,7 +179,7 @@ class Scaffold(Algorithm):
         return ce + correction_term(y, ctx["corr"], self.forward.trainable)
 
     def phases(self, rnd: RoundInfo) -> list[Phase]:
-        return [Phase(momentum=self.cfg.momentum, weight_decay=self.cfg.weight_decay)]
+        return [Phase(optimizer=RunOptimizer(momentum=self.cfg.momentum, weight_decay=self.cfg.weight_decay))]
 
     def control_update(self, c_i: Params, c: Params, x: Params, y: Params, steps: torch.Tensor, lr: float) -> Params:
         """Option II: ``c_i+ = c_i - c + (x - y) / (K lr)`` per trainable entry (K = ``steps``,

@@ -6,7 +6,7 @@ Round r:
   1. the pre-sampled clients S_r (shared by every method) receive ``algo.download(server, S_r)``
      (or every client the method trains, ``algo.training_clients``; only S_r is aggregated);
   2. the executor runs their local programs (lr = lr0 * lr_decay^r or the cosine schedule, fresh
-     momentum each phase)
+     optimizer buffers each phase: fl/optim.py)
      and returns the models to score, the uploads and the new persistent client states;
   3. each client's model is scored on its local test split (``local_after_training``);
   4. the uploads are checked against the method's declared ``upload_spec`` (the privacy

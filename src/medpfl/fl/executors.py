@@ -5,7 +5,8 @@ mini-batches, easy to read. ``StackedExecutor`` (:mod:`medpfl.fl.stacked`) runs 
 round's clients as one vectorised computation and must give the same numbers up to float
 tolerance. Both run the same program (:mod:`medpfl.fl.program`): the method's hooks in the
 same order and cases, the same batch plans (:func:`medpfl.fl.program.phase_plan`), the same
-SGD (:func:`medpfl.fl.functional.sgd_step_`) on the leaves each phase trains.
+optimizer chains (:func:`medpfl.fl.optim.phase_optimizer`, one per trained tree) on the leaves
+each phase trains.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from medpfl.algorithms.base import Algorithm
 from medpfl.config import TrainConfig
 from medpfl.fl.data import FederatedData
 from medpfl.fl.evaluation import eval_groups
-from medpfl.fl.functional import clip_by_global_norm_, sgd_step_
+from medpfl.fl.optim import Chain, phase_optimizer
 from medpfl.fl.program import Download, Pass, Phase, RoundInfo, pass_plan, phase_plan, select
 from medpfl.fl.tree import tree_clone, tree_index, tree_map, tree_stack
 
@@ -66,10 +67,9 @@ class SequentialExecutor:
                             f"method {algo.name!r}, phase {ph.name!r}, tree {t!r}")
         return out
 
-    def _optim(self, ph: Phase) -> tuple[float, float]:
-        opt = self.train.optimizer
-        return (opt.momentum if ph.momentum is None else ph.momentum,
-                opt.weight_decay if ph.weight_decay is None else ph.weight_decay)
+    def _optimizers(self, algo: Algorithm, ph: Phase, names: dict[str, list[str]], rnd: RoundInfo) -> dict[str, Chain]:
+        """The phase's optimizer chain per trained tree (both executors)."""
+        return phase_optimizer(ph, self.train.optimizer, rnd.lr, names, f"method {algo.name!r}, phase {ph.name!r}")
 
     def _epochs(self, ph: Phase) -> int:
         """The phase's epochs: its own (0 skips it), else ``train.local_epochs``."""
@@ -120,10 +120,11 @@ class SequentialExecutor:
 
     def _run_phase(self, algo: Algorithm, ph: Phase, trees: dict, ctx: dict, sctx: dict, ids: torch.Tensor,
                    client: int, rnd: RoundInfo) -> tuple[dict, int]:
-        """SGD on the leaves ``ph`` trains; returns ``(trees, number of steps)``."""
+        """Optimizer steps on the leaves ``ph`` trains; returns ``(trees, number of steps)``."""
         if ph.init is not None:
             trees = tree_clone(ph.init(trees, ctx))
         names = self._trained_names(algo, ph, trees)
+        opts = self._optimizers(algo, ph, names, rnd)
         epochs = int(ph.epochs(ctx)) if callable(ph.epochs) else self._epochs(ph)
         if epochs <= 0:
             return trees, 0
@@ -136,11 +137,11 @@ class SequentialExecutor:
         size = max(1, int(ph.subset * len(ids))) if ph.subset < 1 else len(ids)  # as phase_plan's window
         per_epoch = -(-size // bs)
         plan = plan_cpu.to(self.data.device)
-        momentum, wd = self._optim(ph)
         flat = [(t, k) for t in names for k in names[t]]
         for t, k in flat:
             trees[t][k].requires_grad_(True)
-        bufs = {t: {k: torch.zeros_like(trees[t][k]) for k in names[t]} for t in names}
+        params = {t: {k: trees[t][k] for k in names[t]} for t in names}
+        states = {t: opts[t].init(params[t]) for t in names}
         loss_fn = ph.loss or algo.local_loss
         losses: list[float] = []
         steps = 0
@@ -153,9 +154,7 @@ class SequentialExecutor:
             for (t, k), gk in zip(flat, grads):
                 g[t][k] = gk
             for t in names:
-                if ph.max_grad_norm is not None:
-                    clip_by_global_norm_(g[t], ph.max_grad_norm)
-                sgd_step_({k: trees[t][k] for k in names[t]}, g[t], bufs[t], ph.tree_lr(t, rnd.lr), momentum, wd)
+                opts[t].step_(params[t], g[t], states[t], count=s + 1)
             if ph.project is not None:
                 with torch.no_grad():
                     for t, leaves in ph.project(trees).items():

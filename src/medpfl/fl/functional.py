@@ -1,5 +1,5 @@
-"""Functional building blocks of local training: the functional model, SGD, gradient clipping,
-cross-entropy with per-sample weights, weighted averages.
+"""Functional building blocks of local training: the functional model, cross-entropy with
+per-sample weights, weighted averages (the optimizer: :mod:`medpfl.fl.optim`).
 
 Parameters are ``dict[str, Tensor]`` (``Params``). Every function is written so that
 ``torch.func.vmap`` can run it over a leading client dimension unchanged.
@@ -155,42 +155,6 @@ def weighted_ce(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch
     # -log_softmax gathered at y is F.cross_entropy(reduction="none") bit for bit; written out,
     # it has batching rules under vmap (cross_entropy falls back to a slower Python decomposition)
     return -torch.sum(w * torch.log_softmax(logits, -1).gather(-1, y.unsqueeze(-1)).squeeze(-1))
-
-
-def clip_by_global_norm_(grads: Params, max_norm: float, stacked: bool = False) -> None:
-    """Scale ``grads`` in place by ``min(1, max_norm / (norm + 1e-6))``, the L2 norm over all
-    gradient tensors (PyTorch ``clip_grad_norm_``). ``stacked``: the leading dim is the client
-    and each client's gradients are clipped by their own norm."""
-    if stacked:
-        m = next(iter(grads.values())).shape[0]
-        norm = torch.sqrt(sum(torch.sum(g.float().reshape(m, -1) ** 2, dim=1) for g in grads.values()))
-    else:
-        norm = torch.sqrt(sum(torch.sum(g.float() ** 2) for g in grads.values()))
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for g in grads.values():
-        g.mul_(coef.view(-1, *([1] * (g.dim() - 1))) if stacked else coef)
-
-
-@torch.no_grad()
-def sgd_step_(params: Params, grads: Params, momentum_buf: Params, lr: float, momentum: float,
-              weight_decay: float) -> None:
-    """One step of ``torch.optim.SGD`` (dampening 0, no Nesterov), in place:
-    ``d = g + wd * w;  b = momentum * b + d;  w = w - lr * b``  (b starts at zero).
-
-    ``grads`` is overwritten; ``momentum_buf`` is only used (and updated) when ``momentum`` is
-    non-zero. Works unchanged on stacked tensors (leading client dim) and on
-    views of a stack's rows, which it updates in place.
-    """
-    for k, p in params.items():
-        d = grads[k]
-        if weight_decay:
-            d.add_(p, alpha=weight_decay)
-        if momentum:
-            b = momentum_buf[k]
-            b.mul_(momentum).add_(d)
-            p.add_(b, alpha=-lr)
-        else:  # b = d: the buffer is not read again
-            p.add_(d, alpha=-lr)
 
 
 def clone_params(p: Params) -> Params:

@@ -6,7 +6,7 @@ the stacked executor (:mod:`medpfl.fl.executors`, :mod:`medpfl.fl.stacked`):
 1. ``begin``: the client's trainable trees and its context, from what it received and its state;
 2. passes ``when="before"``: sums over the local train set (e.g. class prototypes), into the context;
 3. ``sample_context``: per-sample tensors over the local train set (e.g. a teacher's logits);
-4. the phases, in order: SGD on some trainable trees (:class:`Phase`);
+4. the phases, in order: optimizer steps on some trainable trees (:class:`Phase`, :mod:`medpfl.fl.optim`);
 5. passes ``when="after"``: sums over the local train set (train accuracy, Fisher information);
 6. ``finish``: the upload, the client's new state and the model its local test split scores.
 
@@ -22,6 +22,7 @@ from typing import Any, Callable, Literal, Mapping
 
 import torch
 
+from medpfl.fl.optim import OptimizerSpec, RunOptimizer
 from medpfl.fl.sampling import derive_seed
 
 #: a selector of the leaves of a tree that a phase trains: None = every floating-point leaf
@@ -86,22 +87,25 @@ class Until:
 
 @dataclass(frozen=True)
 class Phase:
-    """One stage of a client's local program: SGD on named trainable trees over its local train set.
+    """One stage of a client's local program: optimizer steps on named trainable trees over its
+    local train set.
 
     name: unique within the program; it keys the batch order (the first phase named ``train``
       draws the same batches as before phases existed) and ``info["steps"][name]``.
-    trainable: ``{tree name: selector}``; only these leaves get gradients, momentum and weight
-      decay; every other leaf is a constant of the phase (FedBABU's frozen head, LoRA's frozen
-      backbone).
+    trainable: ``{tree name: selector}``; only these leaves get gradients and optimizer steps
+      (momentum, weight decay); every other leaf is a constant of the phase (FedBABU's frozen
+      head, LoRA's frozen backbone).
     loss: ``loss(trees, ctx, batch) -> scalar``; None: the method's ``local_loss``.
     epochs: local epochs (None: ``train.local_epochs``), or ``fn(ctx) -> int64 scalar`` per
       client (0 skips the phase for that client, e.g. a stage that needs a previous visit).
     steps: if set, exactly this many mini-batches (the epochs' batches truncated or repeated).
     batch_size: None = ``train.batch_size``.
-    lr: absolute learning rate for every tree of the phase (None: the round's lr); lr_scale:
-      a multiplier of it, one number or ``{tree: factor}``.
-    momentum, weight_decay: None = ``train.optimizer``'s.
-    max_grad_norm: clip each trainable tree's gradient to this global L2 norm per step (per client).
+    optimizer: the step of every tree it trains (:mod:`medpfl.fl.optim`): a
+      :class:`~medpfl.fl.optim.RunOptimizer` (the run's ``train.optimizer`` with this phase's lr,
+      lr_scale, momentum, weight_decay, max_grad_norm; default: the run's, at the round's lr),
+      an explicit chain (``sgd(lr)``: plain SGD whatever the run's optimizer), or ``{tree:
+      either}`` per trained tree (a tree not named: ``RunOptimizer()``). Buffers (momentum,
+      Adam's moments) start at zero in every phase; each tree's chain has its own.
     subset: train on a contiguous window of ``int(subset * n)`` of the local train set at a
       seeded random offset (FedALA's ``rand_percent``); shuffle: reshuffle every epoch (else in order).
     init: ``fn(trees, ctx) -> trees`` applied before the phase (e.g. start the personal copy
@@ -118,22 +122,13 @@ class Phase:
     epochs: int | Callable[[dict], torch.Tensor] | None = None
     steps: int | None = None
     batch_size: int | None = None
-    lr: float | None = None
-    lr_scale: float | Mapping[str, float] = 1.0
-    momentum: float | None = None
-    weight_decay: float | None = None
-    max_grad_norm: float | None = None
+    optimizer: OptimizerSpec | Mapping[str, OptimizerSpec] = RunOptimizer()
     subset: float = 1.0
     shuffle: bool = True
     init: Callable[[dict, dict], dict] | None = None
     project: Callable[[dict], dict] | None = None
     until: Until | None = None
     until_applies: Callable[[dict], torch.Tensor] | None = None
-
-    def tree_lr(self, tree: str, round_lr: float) -> float:
-        base = self.lr if self.lr is not None else round_lr
-        scale = self.lr_scale.get(tree, 1.0) if isinstance(self.lr_scale, Mapping) else self.lr_scale
-        return base * scale
 
 
 @dataclass(frozen=True)

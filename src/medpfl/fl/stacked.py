@@ -1,7 +1,7 @@
 """The stacked executor: all of a round's clients run their local program as one vectorised
 computation.
 
-Client trees and momentum buffers are stacked along a leading client dimension ``m``; every
+Client trees and optimizer buffers are stacked along a leading client dimension ``m``; every
 per-client hook of the method (``begin``, ``sample_context``, the phase objectives, passes,
 ``finish``, ``personalized_model``, ``predict``) runs under ``torch.func.vmap`` over clients
 (convolutions with per-client weights become grouped convolutions, linear layers batched
@@ -32,7 +32,7 @@ from torch.func import vmap
 
 from medpfl.algorithms.base import Algorithm
 from medpfl.fl.executors import SequentialExecutor, _grad
-from medpfl.fl.functional import clip_by_global_norm_, sgd_step_
+from medpfl.fl.optim import relayout_leaf_, rows as state_rows
 from medpfl.fl.program import Download, Pass, Phase, RoundInfo, pass_plan, phase_plan
 from medpfl.fl.tree import tree_clone, tree_index, tree_leaves, tree_map
 
@@ -177,6 +177,7 @@ class StackedExecutor(SequentialExecutor):
         if ph.init is not None:
             trees = tree_clone(vmap(ph.init, in_dims=(0, cdims))(trees, ctx))
         names = self._trained_names(algo, ph, trees)
+        opts = self._optimizers(algo, ph, names, rnd)
         if callable(ph.epochs):
             epochs = [int(e) for e in vmap(ph.epochs, in_dims=(cdims,))(ctx).tolist()]
         else:
@@ -193,9 +194,8 @@ class StackedExecutor(SequentialExecutor):
         sc = sctx if plan.identity else tree_index(sctx, plan.perm)
         i = ids if plan.identity else ids[plan.perm]
         sample_ids = torch.gather(i.unsqueeze(1).expand(m, plan.steps, i.shape[1]), 2, plan.pos)  # [m, S, B]
-        momentum, wd = self._optim(ph)
         flat = [(tn, k) for tn in names for k in names[tn]]
-        bufs = {tn: {k: torch.zeros_like(t[tn][k]) for k in names[tn]} for tn in names}
+        states = {tn: opts[tn].init({k: t[tn][k] for k in names[tn]}) for tn in names}  # stacked [m, ...]
         objective = ph.loss or algo.local_loss
         loss_fn = vmap(objective, in_dims=(0, cdims, 0))
         project = vmap(ph.project) if ph.project is not None else None
@@ -227,13 +227,10 @@ class StackedExecutor(SequentialExecutor):
                 if moved is not None:  # once per phase (and back for a lone tail client): see _like_grad
                     t[tn][k] = moved
                     rows[tn][k] = moved[: gk.shape[0]]
-                    buf = _like_grad(bufs[tn][k], gk)
-                    bufs[tn][k] = bufs[tn][k] if buf is None else buf
-            for tn in names:
-                if ph.max_grad_norm is not None:
-                    clip_by_global_norm_(g[tn], ph.max_grad_norm, stacked=True)
-                sgd_step_({k: rows[tn][k] for k in names[tn]}, g[tn], {k: bufs[tn][k][:a] for k in names[tn]},
-                          ph.tree_lr(tn, rnd.lr), momentum, wd)
+                    relayout_leaf_(states[tn], k, lambda b, gk=gk: _like_grad(b, gk))  # its buffers too
+            for tn in names:  # the active rows, in place (views of the stacks)
+                opts[tn].step_({k: rows[tn][k] for k in names[tn]}, g[tn], state_rows(states[tn], a), count=s + 1,
+                               per_client=True)
             if project is not None:
                 with torch.no_grad():
                     view = {tn: {k: t[tn][k][:a] for k in t[tn]} for tn in t}
