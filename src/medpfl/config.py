@@ -20,11 +20,9 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError, field_validator,
                       model_serializer, model_validator)
 
+from medpfl.errors import ParamsError  # noqa: F401  (defined in medpfl.errors; importable here as before)
+
 NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$"
-
-
-class ParamsError(ValueError):
-    """A parameter file or value is invalid; the message names the file and the dotted key."""
 
 
 class _Strict(BaseModel):

@@ -27,6 +27,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from medpfl.algorithms.base import Algorithm, MethodConfig
+from medpfl.errors import ParamsError
 
 
 def _discover() -> dict[str, type[Algorithm]]:
@@ -49,10 +50,8 @@ REGISTRY: dict[str, type[Algorithm]] = _discover()
 def resolve_method(name: str, method_params: dict | None = None) -> tuple[type[Algorithm], MethodConfig]:
     """``(algorithm class, validated config)`` for a method name.
 
-    Raises ``medpfl.config.ParamsError`` naming ``methods`` or ``method_params.<name>.<key>``.
+    Raises :class:`medpfl.errors.ParamsError` naming ``methods`` or ``method_params.<name>.<key>``.
     """
-    from medpfl.config import ParamsError
-
     overrides = dict((method_params or {}).get(name) or {})
     algo_name = overrides.pop("algorithm", name)
     overrides.pop("train", None)  # the method's train overrides: checked by medpfl.config

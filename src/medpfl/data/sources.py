@@ -38,15 +38,12 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from medpfl.errors import DataError  # noqa: F401  (defined in medpfl.errors; importable here as before)
 from medpfl.io import atomic_path, md5sum
 
 MIRROR_ENV = "MEDPFL_DATA_MIRROR"
 MEDMNIST_SIZES = (28, 64, 128, 224)
 SYNTHETIC_RE = r"synthetic_(\d+(?:\.\d+)?)_(\d+(?:\.\d+)?)"
-
-
-class DataError(ValueError):
-    """A data file is missing, corrupt or inconsistent; the message names the file."""
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,9 @@ import numpy as np
 import pandas as pd
 import torch
 
-from medpfl.config import ParamsError, TransformConfig
+from medpfl.config import TransformConfig
 from medpfl.data.preprocess import ProcessedData
+from medpfl.errors import ParamsError
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
