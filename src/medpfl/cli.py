@@ -145,7 +145,7 @@ def cmd_ui(a) -> int:
 
     study = a.study
     if not study:
-        from medpfl.config import load_params
+        from medpfl.compose import load_params
 
         study = load_params(a.params, a.overlay).study
     parent_file = Path(a.results) / study / "mlflow_parent.json"
@@ -193,7 +193,7 @@ def cmd_ui(a) -> int:
 
 
 def cmd_check_params(a) -> None:
-    from medpfl.config import load_params
+    from medpfl.compose import load_params
 
     p = load_params(a.params, a.overlay)
     print(f"{a.params}: ok (study {p.study}: {len(p.dataset_partitions())} (data set, partition) pairs x "
