@@ -48,7 +48,6 @@ import torch
 
 from medpfl.algorithms.base import Algorithm, check_required_parts
 from medpfl.config import EvalConfig, TrainConfig, canonical_json
-from medpfl.data.schemas import EvalRecords, RoundLog, validate
 from medpfl.errors import DivergenceError, ParamsError
 from medpfl.fl.data import FederatedData, ServerData
 from medpfl.fl.evaluation import eval_groups, records_from_counts
@@ -287,6 +286,9 @@ class Engine:
                                                                     or r == self.train.rounds - 1):
                 self._save_checkpoint(server, client_states, records, rounds, r + 1)
                 self._checkpointed = r + 1
+        # the pipeline's table schemas (pandera), loaded when a run ends: medpfl.fl is importable without them
+        from medpfl.data.schemas import EvalRecords, RoundLog, validate
+
         rec = validate(EvalRecords, pd.DataFrame(records), "evaluation records")
         rnd_log = validate(RoundLog, pd.DataFrame(rounds), "round log")
         personal = ex.personalized_models(algo, client_states, server) if algo.personalized else None
