@@ -11,7 +11,8 @@ A method name is either a registered algorithm (``fedavg``) or a variant declare
       fedkper_noclip: {algorithm: fedkper, clip_grad_norm: null}
 
 A ``train`` key in a method's entry overrides the study's ``train`` section for that method's
-runs only (the model, local epochs, batch size, ...; validated by :mod:`medpfl.config`), e.g.
+runs only (the model, local epochs, batch size, ...; validated by :mod:`medpfl.config` with
+:mod:`medpfl.compose`), e.g.
 ``fedavg-mlp: {algorithm: fedavg, train: {model: mlp}}``: one study can hold several models or
 local-epoch settings as a list of method variants.
 """
