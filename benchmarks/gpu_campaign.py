@@ -247,7 +247,8 @@ def prepare_data(dest: Path, raw: Path) -> dict:
     :data:`PARTITIONS` built by medpfl's own partition stage; MD5s of the processed arrays and
     tables (the GPU side preprocesses again and compares)."""
     from medpfl.cli import main as medpfl_main
-    from medpfl.config import load_params, partition_job
+    from medpfl.compose import load_params
+    from medpfl.config import partition_job
     from medpfl.data.preprocess import preprocess
     from medpfl.data.sources import checksum_ok, dataset_spec
 

@@ -463,7 +463,8 @@ def part3_pfllib(ctx, checkpoint) -> dict:
 
 # ----------------------------------------------------------------------------- part 4: FedKPer Table 1
 def table1_jobs(ctx) -> tuple[list[dict], dict]:
-    from medpfl.config import load_params, train_job
+    from medpfl.compose import load_params
+    from medpfl.config import train_job
 
     overlays = [ROOT / "config" / "fedkper-table1.yaml", ROOT / "config" / "fedkper-table1-cpu.yaml"]
     params = load_params(ROOT / "params.yaml", overlays)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from medpfl.config import load_params, train_job
+from medpfl.compose import load_params
+from medpfl.config import train_job
 from medpfl.train import run_training
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -29,7 +29,7 @@ def partial_report(study: str, configfiles: list[str], results: Path, out_dir: P
 
     Raises SystemExit when the study has no finished run or a Snakemake or ``medpfl report`` call
     fails (their output is shown)."""
-    from medpfl.config import load_params
+    from medpfl.compose import load_params
 
     params = load_params("params.yaml", [c for c in configfiles if Path(c).name != "params.yaml"])
     if params.study != study:

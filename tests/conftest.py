@@ -161,7 +161,8 @@ def prepare_train_job(folder, *, method, seed=1, counts=(200, 20, 60), data_seed
     ``partition.parquet`` over ``num_clients`` and, with ``mlflow``, a study parent
     (``parent.json``, SQLite store ``mlruns.db``). ``train`` overrides the params' train section.
     Returns ``(job, tracking uri or None)``."""
-    from medpfl.config import train_job, validate_params
+    from medpfl.compose import validate_params
+    from medpfl.config import train_job
     from medpfl.data.partition import build_partition
     from medpfl.data.preprocess import load_processed, preprocess
     from medpfl.data.synthetic import write_synthetic_npz

@@ -25,7 +25,7 @@ import pytest
 
 from helpers import make_env, planned_jobs, snakemake, tiny_params, write_params, write_synthetic
 from medpfl.cli import main
-from medpfl.config import validate_params
+from medpfl.compose import validate_params
 from medpfl.data import sources
 from medpfl.data.preprocess import CIFAR_LAYOUTS, load_cifar_archive, load_processed, preprocess
 from medpfl.data.sources import CIFAR10, CIFAR100, DataError, dataset_spec, fetch

@@ -12,16 +12,9 @@ import yaml
 
 from medpfl.algorithms import REGISTRY, resolve_method
 from medpfl.algorithms.fedkper import FedKPer
-from medpfl.config import (
-    Params,
-    ParamsError,
-    dataset_job,
-    deep_merge,
-    load_params,
-    read_yaml,
-    train_job,
-    validate_params,
-)
+from medpfl.compose import load_params, validate_params
+from medpfl.config import Params, ParamsError, deep_merge, read_yaml, train_job
+from medpfl.data.sources import dataset_job
 
 REPO = Path(__file__).resolve().parents[1]
 PARAMS = REPO / "params.yaml"

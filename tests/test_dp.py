@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from medpfl.algorithms import REGISTRY
-from medpfl.config import EvalConfig, ParamsError, TrainConfig, validate_params
+from medpfl.compose import validate_params
+from medpfl.config import EvalConfig, ParamsError, TrainConfig
 from medpfl.fl.engine import Engine
 from medpfl.fl.payload import LowRank, payload_dense_nbytes, payload_nbytes
 from medpfl.fl.privacy import DPFedAvg, dp_epsilon, make_upload_pipeline, not_applicable_reason

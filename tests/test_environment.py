@@ -12,7 +12,8 @@ import pandas as pd
 import pytest
 import torch
 
-from medpfl.config import TrainConfig, train_job, validate_params
+from medpfl.compose import validate_params
+from medpfl.config import TrainConfig, train_job
 from medpfl.environment import (CUBLAS_WORKSPACE, NUMERIC_KEYS, capture, configure_determinism, cpu_model,
                                 fingerprint_id, mlflow_tags)
 from medpfl.fl.engine import fingerprint

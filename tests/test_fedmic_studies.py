@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from medpfl.config import load_params
+from medpfl.compose import load_params
 from medpfl.models import MODEL_NAMES
 from medpfl.report.paper import load_paper_table
 from tests.helpers import generated_configs

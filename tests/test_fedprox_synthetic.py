@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from medpfl.cli import main
-from medpfl.config import dataset_job, partition_config, validate_params
+from medpfl.compose import validate_params
+from medpfl.config import partition_config
+from medpfl.data.sources import dataset_job
 from medpfl.data.fedprox_synthetic import SyntheticArgs, client_sizes, generate, write_fedprox_synthetic
 from medpfl.data.partition import PartitionError, build_partition
 from medpfl.data.preprocess import load_processed, preprocess

@@ -11,7 +11,8 @@ import pandas as pd
 import pytest
 import torch
 
-from medpfl.config import OptimizerConfig, ParamsError, TrainConfig, validate_params
+from medpfl.compose import validate_params
+from medpfl.config import OptimizerConfig, ParamsError, TrainConfig
 from medpfl.metrics import best_val_summary
 
 

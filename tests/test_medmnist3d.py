@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from medpfl.cli import main
-from medpfl.config import dataset_job, train_job, validate_params
+from medpfl.compose import validate_params
+from medpfl.config import train_job
+from medpfl.data.sources import dataset_job
 from medpfl.data import sources
 from medpfl.data.preprocess import load_processed, preprocess
 from medpfl.data.sources import DataError, dataset_spec, fetch, medmnist_info

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from medpfl.cli import main
-from medpfl.config import partition_config, validate_params
+from medpfl.compose import validate_params
+from medpfl.config import partition_config
 from medpfl.data import sources
 from medpfl.data.partition import build_partition
 from medpfl.data.preprocess import load_processed, preprocess

@@ -12,7 +12,8 @@ import torch
 from torch.func import functional_call, stack_module_state, vmap
 
 from medpfl.algorithms import REGISTRY
-from medpfl.config import EvalConfig, ParamsError, TrainConfig, train_job, validate_params
+from medpfl.compose import validate_params
+from medpfl.config import EvalConfig, ParamsError, TrainConfig, train_job
 from medpfl.fl.data import FederatedData
 from medpfl.fl.engine import Engine
 from medpfl.fl.functional import make_forward, model_state, template_on

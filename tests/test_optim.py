@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from medpfl.algorithms import REGISTRY
-from medpfl.config import EvalConfig, OptimizerConfig, ParamsError, TrainConfig, validate_params
+from medpfl.compose import validate_params
+from medpfl.config import EvalConfig, OptimizerConfig, ParamsError, TrainConfig
 from medpfl.fl.engine import Engine
 from medpfl.fl.executors import SequentialExecutor
 from medpfl.fl.optim import (RunOptimizer, adam, add_decayed_weights, chain, clip_by_global_norm, phase_optimizer,

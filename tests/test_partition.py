@@ -13,7 +13,8 @@ import pandas as pd
 import pytest
 from pydantic import ValidationError
 
-from medpfl.config import LocalTestConfig, ParamsError, PartitionConfig, partition_config, validate_params
+from medpfl.compose import validate_params
+from medpfl.config import LocalTestConfig, ParamsError, PartitionConfig, partition_config
 from medpfl.data.partition import (
     DirichletPartitioner,
     IIDPartitioner,

@@ -15,17 +15,16 @@ import pytest
 import yaml
 
 from medpfl.cli import main
+from medpfl.compose import load_params, validate_params
 from medpfl.config import (
     PARTITION_CONFIGS,
     DrawnPartitionConfig,
     ParamsError,
     PartitionConfigBase,
     canonical_json,
-    load_params,
     partition_config,
     partition_from_job,
     partition_job,
-    validate_params,
 )
 from medpfl.data.partition import PARTITIONERS, Partitioner, make_partitioner
 

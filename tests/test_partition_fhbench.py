@@ -20,8 +20,9 @@ import torch
 from pydantic import ValidationError
 
 from medpfl.cli import main
+from medpfl.compose import validate_params
 from medpfl.config import (LocalTestConfig, ParamsError, PartitionConfig, TrainConfig, TransformConfig, partition_config,
-                           train_job, validate_params)
+                           train_job)
 from medpfl.data.partition import (PairwiseDirichletPartitioner, PartitionError, build_partition, client_class_counts,
                                    partition_pool, ratio_counts, split_local, split_ratios)
 from medpfl.data.schemas import PartitionTable, validate

@@ -12,7 +12,8 @@ import pandas as pd
 import pytest
 import torch
 
-from medpfl.config import partition_config, validate_params
+from medpfl.compose import validate_params
+from medpfl.config import partition_config
 from medpfl.data.partition import PartitionError, build_partition, largest_remainder, split_official_test
 from medpfl.data.schemas import PartitionTable, SharedPartitionTable, validate
 

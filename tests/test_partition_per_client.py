@@ -15,7 +15,8 @@ import torch
 from pydantic import ValidationError
 
 from medpfl.cli import main
-from medpfl.config import PartitionConfig, partition_config, validate_params
+from medpfl.compose import validate_params
+from medpfl.config import PartitionConfig, partition_config
 from medpfl.data.partition import PartitionError, PerClientDirichletPartitioner, build_partition
 from medpfl.data.schemas import PartitionTable, SharedPartitionTable, TableError, validate
 

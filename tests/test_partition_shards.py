@@ -10,7 +10,8 @@ import pandas as pd
 import pytest
 from pydantic import ValidationError
 
-from medpfl.config import ParamsError, PartitionConfig, partition_config, partition_from_job, validate_params
+from medpfl.compose import validate_params
+from medpfl.config import ParamsError, PartitionConfig, partition_config, partition_from_job
 from medpfl.data.partition import PartitionError, ShardsPartitioner, build_partition
 from medpfl.data.schemas import PartitionTable, validate
 

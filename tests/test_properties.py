@@ -14,7 +14,8 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from medpfl.config import EvalConfig, ParamsError, TrainConfig, load_params, validate_params
+from medpfl.compose import load_params, validate_params
+from medpfl.config import EvalConfig, ParamsError, TrainConfig
 from medpfl.data.partition import PartitionError, build_partition
 from medpfl.data.preprocess import load_official_npz
 from medpfl.data.sources import DataError

@@ -15,7 +15,8 @@ import yaml
 from scipy import stats
 
 from medpfl.cli import main
-from medpfl.config import ParamsError, validate_params
+from medpfl.compose import validate_params
+from medpfl.config import ParamsError
 from medpfl.report import build_report
 from medpfl.report.stats import (NO_INTERVAL, PAIRED_COLUMNS, PAIRED_METRICS, paired_difference, resolve_reference,
                                  t_interval)

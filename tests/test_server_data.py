@@ -10,7 +10,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from medpfl.config import ParamsError, partition_config, validate_params
+from medpfl.compose import validate_params
+from medpfl.config import ParamsError, partition_config
 from medpfl.data.partition import PartitionError, build_partition, client_class_counts, partition_pool
 from medpfl.data.schemas import PartitionTable, SharedPartitionTable, TableError, validate
 from medpfl.fl.data import FederatedData

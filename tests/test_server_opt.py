@@ -15,6 +15,7 @@ import pytest
 import torch
 import yaml
 
+from medpfl.compose import validate_params
 from medpfl.config import (
     SERVER_OPTIMIZER_DEFAULTS,
     EvalConfig,
@@ -22,7 +23,6 @@ from medpfl.config import (
     ServerOptimizerConfig,
     TrainConfig,
     train_job,
-    validate_params,
 )
 from medpfl.fl.engine import Engine
 from medpfl.fl.program import Federation, RoundInfo

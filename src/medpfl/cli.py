@@ -15,6 +15,8 @@ import os
 import sys
 from pathlib import Path
 
+from medpfl.errors import PROJECT_ERRORS
+
 log = logging.getLogger("medpfl")
 
 
@@ -143,7 +145,7 @@ def cmd_ui(a) -> int:
 
     study = a.study
     if not study:
-        from medpfl.config import load_params
+        from medpfl.compose import load_params
 
         study = load_params(a.params, a.overlay).study
     parent_file = Path(a.results) / study / "mlflow_parent.json"
@@ -191,7 +193,7 @@ def cmd_ui(a) -> int:
 
 
 def cmd_check_params(a) -> None:
-    from medpfl.config import load_params
+    from medpfl.compose import load_params
 
     p = load_params(a.params, a.overlay)
     print(f"{a.params}: ok (study {p.study}: {len(p.dataset_partitions())} (data set, partition) pairs x "
@@ -322,18 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def known_errors() -> tuple[type[BaseException], ...]:
-    from medpfl.config import ParamsError
-    from medpfl.data.partition import PartitionError
-    from medpfl.data.schemas import TableError
-    from medpfl.data.sources import DataError
-    from medpfl.fl.engine import DivergenceError
-    from medpfl.io import InputFileError
-    from medpfl.models.vit import MissingWeightsError
-    from medpfl.report.paper import PaperTableError
-    from medpfl.tracking import TrackingError
-
-    return (ParamsError, DataError, PartitionError, TableError, TrackingError, DivergenceError, PaperTableError,
-            InputFileError, MissingWeightsError, FileNotFoundError, json.JSONDecodeError)
+    return (*PROJECT_ERRORS, FileNotFoundError, json.JSONDecodeError)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,18 @@ Every section forbids unknown keys, so a typo such as ``train.particpation`` fai
 the key's dotted name instead of silently keeping a default. Per-method hyper-parameters are
 validated by each algorithm's own ``Config`` model (see :mod:`medpfl.algorithms`).
 
-Errors: :class:`ParamsError` (a ``ValueError``) whose message names the file and the dotted key.
+This module is schemas only: it imports no other part of the project but :mod:`medpfl.errors`.
+The checks that need the rest of the project (the model zoo's names and arguments, the data-set
+catalogue, the method registry, which methods a server optimizer or an upload transform can run
+with) are asked of a :class:`Catalogue` passed as pydantic's validation context,
+``{"catalogue": ...}``, at the very place of the schema they always ran at, so their errors name
+the same keys. :mod:`medpfl.compose` holds the project's catalogue and is where params are read
+for the pipeline and the CLI (``medpfl.compose.load_params`` / ``validate_params``). Validated
+without a catalogue (``Params.model_validate(data)``), a params mapping is checked against the
+schema alone.
+
+Errors: :class:`ParamsError` (a ``ValueError``, :mod:`medpfl.errors`) whose message names the
+file and the dotted key.
 """
 
 from __future__ import annotations
@@ -14,17 +25,48 @@ import math
 import re
 from fractions import Fraction
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Protocol, Union
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError, field_validator,
-                      model_serializer, model_validator)
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError,
+                      ValidationInfo, field_validator, model_serializer, model_validator)
+
+from medpfl.errors import ParamsError
 
 NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$"
 
 
-class ParamsError(ValueError):
-    """A parameter file or value is invalid; the message names the file and the dotted key."""
+class Catalogue(Protocol):
+    """What validating params needs to know of the rest of the project; the project's is
+    :data:`medpfl.compose.CATALOGUE`. Each check raises ``ValueError`` (or :class:`ParamsError`,
+    one) with a message relative to the key it is asked about."""
+
+    def check_model_name(self, name: str) -> str:
+        """``name`` if it is a model of the zoo (``train.model``)."""
+
+    def resolve_model_args(self, name: str, args: dict[str, Any]) -> dict[str, Any]:
+        """The model's validated arguments with every default filled in (``train.model_args``)."""
+
+    def check_dataset_name(self, name: str) -> None:
+        """Raises unless ``name`` is a known data set (MedMNIST, MNIST, CIFAR, synthetic)."""
+
+    def is_synthetic_name(self, name: str) -> bool:
+        """``name`` is a generated ``synthetic_<alpha>_<beta>`` data set's."""
+
+    def resolve_method(self, name: str, method_params: dict[str, Any]) -> tuple[type, BaseModel]:
+        """``(algorithm class, validated method config)`` of a method name (raises naming ``methods``
+        or ``method_params.<name>.<key>``)."""
+
+    def check_server_optimizer(self, method: str, algo_cls: type, cfg: BaseModel, key: str, optimizer: str) -> None:
+        """Raises, naming ``key``, when server optimizer ``optimizer`` cannot run with the method."""
+
+    def check_upload(self, method: str, algo_cls: type, key: str) -> None:
+        """Raises, naming ``key`` (``train.dp`` or ``train.upload``), when the method cannot take it."""
+
+
+def catalogue_of(info: ValidationInfo) -> Catalogue | None:
+    """The :class:`Catalogue` a validation was given (``context={"catalogue": ...}``), or None."""
+    return info.context.get("catalogue") if isinstance(info.context, dict) else None
 
 
 class _Strict(BaseModel):
@@ -848,10 +890,9 @@ class TrainConfig(_Strict):
 
     @field_validator("model")
     @classmethod
-    def _model(cls, v: str) -> str:
-        from medpfl.models import check_model_name
-
-        return check_model_name(v)  # ValueError: unknown model, listing the known ones
+    def _model(cls, v: str, info: ValidationInfo) -> str:
+        cat = catalogue_of(info)
+        return v if cat is None else cat.check_model_name(v)  # ValueError: unknown model, listing the known ones
 
     @field_validator("model_args", mode="before")
     @classmethod
@@ -860,12 +901,11 @@ class TrainConfig(_Strict):
 
     @field_validator("model_args")
     @classmethod
-    def _model_args(cls, v: dict[str, Any], info) -> dict[str, Any]:
-        from medpfl.models import resolve_model_args
-
-        if "model" not in info.data:  # the model name itself failed; that error is reported
+    def _model_args(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        cat = catalogue_of(info)
+        if cat is None or "model" not in info.data:  # the model name itself failed; that error is reported
             return v
-        return resolve_model_args(info.data["model"], v)
+        return cat.resolve_model_args(info.data["model"], v)
 
     @model_serializer(mode="wrap")
     def _drop_later_defaults(self, handler):
@@ -981,16 +1021,15 @@ class DataConfig(_Strict):
     synthetic: dict[str, SyntheticDataset] = Field(default_factory=dict)
 
     @model_validator(mode="after")
-    def _names(self) -> "DataConfig":
-        from medpfl.data.sources import check_dataset_name, parse_synthetic_name
-
+    def _names(self, info: ValidationInfo) -> "DataConfig":
+        cat = catalogue_of(info)
         for name in self.datasets:
             if not re.fullmatch(NAME_RE, name):
                 raise ValueError(f"datasets: name {name!r} must match {NAME_RE}")
-            if name not in self.custom:
-                check_dataset_name(name)  # raises ValueError naming the data set
-        for name in self.synthetic:
-            if parse_synthetic_name(name) is None:
+            if name not in self.custom and cat is not None:
+                cat.check_dataset_name(name)  # raises ValueError naming the data set
+        for name in self.synthetic if cat is not None else ():
+            if not cat.is_synthetic_name(name):
                 raise ValueError(f"synthetic.{name}: not a synthetic data set name (synthetic_<alpha>_<beta>, "
                                  "e.g. synthetic_0.5_0.5)")
         if len(set(self.datasets)) != len(self.datasets):
@@ -1042,14 +1081,28 @@ class Params(_Strict):
         return v
 
     @model_validator(mode="after")
-    def _partition_datasets(self) -> "Params":
-        from medpfl.data.sources import check_dataset_name
+    def _bind_catalogue(self, info: ValidationInfo) -> "Params":
+        """Keep the validation's catalogue (:attr:`catalogue`). The first model validator: pydantic
+        runs them in order, and the ones below use it."""
+        # in the instance's __dict__ but no field (as functools.cached_property keeps its value):
+        # no key of params.yaml, not dumped, not compared (equal values are equal Params however
+        # they were validated), kept by model_copy
+        object.__setattr__(self, "_catalogue", catalogue_of(info))
+        return self
 
+    @property
+    def catalogue(self) -> Catalogue | None:
+        """The :class:`Catalogue` these params were validated with (None: the schema alone)."""
+        return self.__dict__.get("_catalogue")
+
+    @model_validator(mode="after")
+    def _partition_datasets(self) -> "Params":
+        cat = self.catalogue
         for name, part in self.partitions.items():
             for d in part.datasets or []:
-                if d not in self.data.custom:
+                if d not in self.data.custom and cat is not None:
                     try:
-                        check_dataset_name(d)  # a known data set, not necessarily one this study runs
+                        cat.check_dataset_name(d)  # a known data set, not necessarily one this study runs
                     except ValueError as e:
                         raise ValueError(f"partitions.{name}.datasets: {e}") from None
         if not self.dataset_partitions():
@@ -1083,16 +1136,16 @@ class Params(_Strict):
 
     @model_validator(mode="after")
     def _methods(self) -> "Params":
-        from medpfl.algorithms import resolve_method
-
+        cat = self.catalogue
         if len(set(self.methods)) != len(self.methods):
             raise ValueError(f"methods: duplicate entries in {self.methods}")
         for name in self.methods:
             if not re.fullmatch(NAME_RE, name):
                 raise ValueError(f"methods: name {name!r} must match {NAME_RE}")
-            resolve_method(name, self.method_params)  # raises ParamsError naming the key
-        for name in self.method_params:
-            resolve_method(name, self.method_params)
+            if cat is not None:
+                cat.resolve_method(name, self.method_params)  # raises ParamsError naming the key
+        for name in self.method_params if cat is not None else ():
+            cat.resolve_method(name, self.method_params)
         return self
 
     @model_validator(mode="after")
@@ -1134,7 +1187,7 @@ class Params(_Strict):
                 None, (base.get("server_optimizer") or {}).get("name")):
             base.pop("server_optimizer", None)  # another optimizer starts from its own defaults
         try:
-            return TrainConfig.model_validate(deep_merge(base, over))
+            return TrainConfig.model_validate(deep_merge(base, over), context={"catalogue": self.catalogue})
         except ValidationError as e:
             msgs = []
             for err in e.errors():
@@ -1149,8 +1202,8 @@ class Params(_Strict):
         """A server optimizer needs a method whose global model it can step (``has_global_model``)
         and that allows it (:func:`medpfl.fl.server_opt.check_applicable`); raises naming the
         method and the key that set it."""
-        from medpfl.fl.server_opt import check_applicable
-
+        if self.catalogue is None:
+            return self
         for name in self.methods:
             opt = self.method_train(name).server_optimizer
             if opt is None:
@@ -1158,7 +1211,7 @@ class Params(_Strict):
             own = "server_optimizer" in ((self.method_params.get(name) or {}).get("train") or {})
             key = f"method_params.{name}.train.server_optimizer" if own else "train.server_optimizer"
             cls, cfg = self.method_config(name)
-            check_applicable(name, cls, cfg, key, opt.name)
+            self.catalogue.check_server_optimizer(name, cls, cfg, key, opt.name)
         return self
 
     @model_validator(mode="after")
@@ -1166,22 +1219,24 @@ class Params(_Strict):
         """``train.dp`` and ``train.upload`` need a method that declares a model upload
         (:attr:`medpfl.algorithms.base.Algorithm.model_upload`); raises naming the method and the
         key that set it (:func:`medpfl.fl.privacy.check_applicable`)."""
-        from medpfl.fl.privacy import check_applicable
-
+        if self.catalogue is None:
+            return self
         for name in self.methods:
             t = self.method_train(name)
             own = (self.method_params.get(name) or {}).get("train") or {}
             for field, on in (("dp", t.dp is not None), ("upload", bool(t.upload))):
                 if on:
                     key = f"method_params.{name}.train.{field}" if field in own else f"train.{field}"
-                    check_applicable(name, self.method_config(name)[0], key)
+                    self.catalogue.check_upload(name, self.method_config(name)[0], key)
         return self
 
     def method_config(self, name: str):
-        """The resolved ``(algorithm class, validated config)`` for a method name."""
-        from medpfl.algorithms import resolve_method
-
-        return resolve_method(name, self.method_params)
+        """The resolved ``(algorithm class, validated config)`` for a method name, by the catalogue
+        these params were validated with (:func:`medpfl.compose.validate_params`)."""
+        if self.catalogue is None:
+            raise RuntimeError("these params were validated without a catalogue (the schema alone), so they cannot "
+                               "resolve a method; read them with medpfl.compose.load_params / validate_params")
+        return self.catalogue.resolve_method(name, self.method_params)
 
 
 def _server_optimizer_name(v: Any) -> str | None:
@@ -1255,24 +1310,30 @@ def read_yaml(path: str | Path) -> dict:
     return data
 
 
-def validate_params(data: dict, source: str = "params.yaml") -> Params:
-    """Validate a params mapping; raise :class:`ParamsError` naming ``source`` and the key."""
+def validate_params(data: dict, source: str = "params.yaml", *, catalogue: Catalogue | None) -> Params:
+    """Validate a params mapping; raise :class:`ParamsError` naming ``source`` and the key.
+
+    ``catalogue``: the checks against the rest of the project (:class:`Catalogue`; the
+    project's: :func:`medpfl.compose.validate_params`), or None for the schema alone. It has
+    no default, so that no caller drops those checks by leaving it out."""
     try:
-        return Params.model_validate(data)
+        return Params.model_validate(data, context={"catalogue": catalogue})
     except ValidationError as e:
         raise ParamsError(format_validation_error(e, source)) from None
     except ParamsError as e:
         raise ParamsError(f"{source}: {e}") from None
 
 
-def load_params(path: str | Path = "params.yaml", overlays: list[str | Path] = ()) -> Params:
-    """Read ``params.yaml`` plus study overlays (later files win) and validate them."""
+def load_params(path: str | Path = "params.yaml", overlays: list[str | Path] = (), *,
+                catalogue: Catalogue | None) -> Params:
+    """Read ``params.yaml`` plus study overlays (later files win) and validate them
+    (:func:`validate_params`; the project's: :func:`medpfl.compose.load_params`)."""
     data = read_yaml(path)
     names = [str(path)]
     for ov in overlays:
         data = deep_merge(data, read_yaml(ov))
         names.append(str(ov))
-    return validate_params(data, " + ".join(names))
+    return validate_params(data, " + ".join(names), catalogue=catalogue)
 
 
 def canonical_json(obj: Any) -> str:
@@ -1286,7 +1347,8 @@ def train_job(params: Params, dataset: str, partition: str, method: str, seed: i
 
     ``pool`` is present only for ``partitions.<name>.pool: all`` (no global test set), and
     ``train.transform`` and ``train.server_optimizer`` only when not the default, so the
-    descriptions of earlier jobs are unchanged."""
+    descriptions of earlier jobs are unchanged. ``params`` must have been validated with a
+    catalogue (:func:`medpfl.compose.validate_params`): it resolves the method."""
     if partition not in params.partitions:
         raise ParamsError(f"partitions: no partition named {partition!r}")
     if (dataset, partition) not in params.dataset_partitions():
@@ -1317,15 +1379,3 @@ def partition_job(params: Params, dataset: str, partition: str) -> dict:
     if partition not in params.partitions:
         raise ParamsError(f"partitions: no partition named {partition!r}")
     return {"dataset": dataset, "name": partition, "config": params.partitions[partition].job_dict()}
-
-
-def dataset_job(params: Params, dataset: str) -> dict:
-    """What download/preprocess need for one data set (custom entries carry path and MD5)."""
-    from medpfl.data.sources import parse_synthetic_name
-
-    custom = params.data.custom.get(dataset)
-    # the layout only when not the default: earlier data jobs keep their description
-    job = {"dataset": dataset, "custom": {dataset: custom.model_dump(exclude_defaults=True)} if custom else {}}
-    if parse_synthetic_name(dataset) is not None and dataset not in params.data.custom:
-        job["synthetic"] = params.data.synthetic.get(dataset, SyntheticDataset()).model_dump()
-    return job

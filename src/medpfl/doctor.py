@@ -29,7 +29,8 @@ def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def check_params(params_file: Path, overlays: list[str]) -> tuple[Check, object]:
-    from medpfl.config import ParamsError, load_params
+    from medpfl.compose import load_params
+    from medpfl.config import ParamsError
 
     try:
         p = load_params(params_file, overlays)

@@ -25,14 +25,9 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from medpfl.errors import InputFileError  # noqa: F401  (defined in medpfl.errors; importable here as before)
 
 TMP_PREFIX = ".medpfl-tmp-"
-
-
-class InputFileError(ValueError):
-    """An input file that exists but is not what the stage reading it expects (not valid JSON,
-    unreadable parquet or CSV, a missing key or column); the message names the file and says
-    how to recover. ``medpfl`` commands report it in one line and exit 2."""
 
 
 def _umask() -> int:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode
 
+from medpfl.errors import TrackingError  # noqa: F401  (defined in medpfl.errors; importable here as before)
 from medpfl.io import read_json, write_json
 
 log = logging.getLogger(__name__)
@@ -44,10 +45,6 @@ EXPERIMENT_NOTE = (
     "avg_local_acc, avg_worst_client_acc, local_consistency, balance, ...) and the environment fingerprint "
     "(env.* tags)."
 )
-
-
-class TrackingError(RuntimeError):
-    """The MLflow store cannot be reached or written; the message names the URI."""
 
 
 def retry(fn, *args, attempts: int = 8, base_delay: float = 0.2, **kwargs):

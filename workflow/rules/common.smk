@@ -4,7 +4,9 @@ import shlex
 import shutil
 from pathlib import Path
 
-from medpfl.config import canonical_json, dataset_job, partition_job, train_job, validate_params
+from medpfl.compose import validate_params
+from medpfl.config import canonical_json, partition_job, train_job
+from medpfl.data.sources import dataset_job
 from medpfl.io import tree_hash
 
 PARAMS = validate_params(config, "params.yaml (with any --configfile overlays)")

@@ -11,7 +11,8 @@ A method name is either a registered algorithm (``fedavg``) or a variant declare
       fedkper_noclip: {algorithm: fedkper, clip_grad_norm: null}
 
 A ``train`` key in a method's entry overrides the study's ``train`` section for that method's
-runs only (the model, local epochs, batch size, ...; validated by :mod:`medpfl.config`), e.g.
+runs only (the model, local epochs, batch size, ...; validated by :mod:`medpfl.config` with
+:mod:`medpfl.compose`), e.g.
 ``fedavg-mlp: {algorithm: fedavg, train: {model: mlp}}``: one study can hold several models or
 local-epoch settings as a list of method variants.
 """
@@ -27,6 +28,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from medpfl.algorithms.base import Algorithm, MethodConfig
+from medpfl.errors import ParamsError
 
 
 def _discover() -> dict[str, type[Algorithm]]:
@@ -49,10 +51,8 @@ REGISTRY: dict[str, type[Algorithm]] = _discover()
 def resolve_method(name: str, method_params: dict | None = None) -> tuple[type[Algorithm], MethodConfig]:
     """``(algorithm class, validated config)`` for a method name.
 
-    Raises ``medpfl.config.ParamsError`` naming ``methods`` or ``method_params.<name>.<key>``.
+    Raises :class:`medpfl.errors.ParamsError` naming ``methods`` or ``method_params.<name>.<key>``.
     """
-    from medpfl.config import ParamsError
-
     overrides = dict((method_params or {}).get(name) or {})
     algo_name = overrides.pop("algorithm", name)
     overrides.pop("train", None)  # the method's train overrides: checked by medpfl.config

@@ -50,10 +50,7 @@ from medpfl.config import (DirichletPairsPartitionConfig, DirichletPartitionConf
                            NaturalPartitionConfig, PartitionConfigBase, PathologicalPartitionConfig,
                            PerClientDirichletPartitionConfig, ServerDataConfig, ShardsPartitionConfig)
 from medpfl.data.schemas import SERVER_CLIENT, PartitionTable, SharedPartitionTable, validate
-
-
-class PartitionError(ValueError):
-    """The partition cannot be built with these parameters; the message names the key."""
+from medpfl.errors import PartitionError  # noqa: F401  (defined in medpfl.errors; importable here as before)
 
 
 class Partitioner(ABC):

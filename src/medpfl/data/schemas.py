@@ -15,6 +15,8 @@ import pandas as pd  # noqa: E402
 import pandera.pandas as pa  # noqa: E402
 from pandera.typing import Series  # noqa: E402
 
+from medpfl.errors import TableError  # noqa: F401  (defined in medpfl.errors; importable here as before)
+
 SPLITS = ["train", "val", "test"]
 # a client's local splits in a partition table: val only with the ``ratios`` local rule; "server":
 # the server's unlabeled data (``partitions.<name>.server_data``), on rows with client_id -1
@@ -23,10 +25,6 @@ SERVER_CLIENT = -1  # the client_id of the server's rows
 NATURAL_SPLITS = ["train", "test"]  # the local splits a generated federated set gives its samples
 VIEWS = ["global_test", "global_on_local", "local_after_training", "personalized_on_local", "local_on_global_test",
          "local_after_training_val", "global_on_val", "personalized_on_val"]
-
-
-class TableError(ValueError):
-    """A table failed its schema; the message names the file and the failing checks."""
 
 
 class SampleTable(pa.DataFrameModel):

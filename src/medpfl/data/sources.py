@@ -38,15 +38,13 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from medpfl.config import Params, SyntheticDataset
+from medpfl.errors import DataError  # noqa: F401  (defined in medpfl.errors; importable here as before)
 from medpfl.io import atomic_path, md5sum
 
 MIRROR_ENV = "MEDPFL_DATA_MIRROR"
 MEDMNIST_SIZES = (28, 64, 128, 224)
 SYNTHETIC_RE = r"synthetic_(\d+(?:\.\d+)?)_(\d+(?:\.\d+)?)"
-
-
-class DataError(ValueError):
-    """A data file is missing, corrupt or inconsistent; the message names the file."""
 
 
 @dataclass(frozen=True)
@@ -134,6 +132,17 @@ def check_dataset_name(name: str) -> None:
         raise DataError(f"data set {name!r}: a synthetic set is named synthetic_<alpha>_<beta> with two "
                         "non-negative numbers, e.g. synthetic_0.5_0.5")
     parse_dataset_name(name)
+
+
+def dataset_job(params: Params, dataset: str) -> dict:
+    """What download/preprocess need for one data set (custom entries carry path and MD5); read back
+    by :func:`dataset_spec`."""
+    custom = params.data.custom.get(dataset)
+    # the layout only when not the default: earlier data jobs keep their description
+    job = {"dataset": dataset, "custom": {dataset: custom.model_dump(exclude_defaults=True)} if custom else {}}
+    if parse_synthetic_name(dataset) is not None and dataset not in params.data.custom:
+        job["synthetic"] = params.data.synthetic.get(dataset, SyntheticDataset()).model_dump()
+    return job
 
 
 @functools.cache

@@ -18,13 +18,17 @@ the ``ratios`` local rule, local val. No DataLoader, no per-sample Python.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 import torch
 
-from medpfl.config import ParamsError, TransformConfig
-from medpfl.data.preprocess import ProcessedData
+from medpfl.config import TransformConfig
+from medpfl.errors import ParamsError
+
+if TYPE_CHECKING:  # an annotation only: no pandera (the pipeline's table schemas) on import
+    from medpfl.data.preprocess import ProcessedData
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)

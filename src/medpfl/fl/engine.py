@@ -47,8 +47,8 @@ import pandas as pd
 import torch
 
 from medpfl.algorithms.base import Algorithm, check_required_parts
-from medpfl.config import EvalConfig, ParamsError, TrainConfig, canonical_json
-from medpfl.data.schemas import EvalRecords, RoundLog, validate
+from medpfl.config import EvalConfig, TrainConfig, canonical_json
+from medpfl.errors import DivergenceError, ParamsError
 from medpfl.fl.data import FederatedData, ServerData
 from medpfl.fl.evaluation import eval_groups, records_from_counts
 from medpfl.fl.functional import Params, model_state
@@ -60,6 +60,7 @@ from medpfl.fl.server_opt import make_server_optimizer
 from medpfl.fl.tree import first_nonfinite, tree_index, tree_leaves, tree_scatter, tree_stack
 from medpfl.io import atomic_path
 from medpfl.models import build_model
+
 
 log = logging.getLogger(__name__)
 
@@ -90,14 +91,6 @@ def make_executor(kind: str, algo: Algorithm, data: FederatedData, train: TrainC
 
         return StackedExecutor(data, train, seed, eval_batch_size)
     return SequentialExecutor(data, train, seed, eval_batch_size)
-
-
-class DivergenceError(RuntimeError):
-    """A run's model or state became non-finite (NaN or ±inf): training has diverged, usually
-    because the learning rate is too large. Raised by :meth:`Engine.run` in the round it happens,
-    before that round is logged or checkpointed; the message names the method, the round, the
-    first non-finite leaf (or the linear-algebra routine that met one, e.g. the SVD of FedKD's or
-    FedMIC's low-rank upload) and what to change."""
 
 
 def require_server_data(algo: Algorithm, data: FederatedData, partition: str = "<name>") -> None:
@@ -293,6 +286,9 @@ class Engine:
                                                                     or r == self.train.rounds - 1):
                 self._save_checkpoint(server, client_states, records, rounds, r + 1)
                 self._checkpointed = r + 1
+        # the pipeline's table schemas (pandera), loaded when a run ends: medpfl.fl is importable without them
+        from medpfl.data.schemas import EvalRecords, RoundLog, validate
+
         rec = validate(EvalRecords, pd.DataFrame(records), "evaluation records")
         rnd_log = validate(RoundLog, pd.DataFrame(rounds), "round log")
         personal = ex.personalized_models(algo, client_states, server) if algo.personalized else None

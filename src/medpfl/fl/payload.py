@@ -17,14 +17,7 @@ from typing import Any, Mapping, NamedTuple
 
 import torch
 
-
-class UploadSpecError(RuntimeError):
-    """A client tried to send the server something other than what its method declares.
-
-    The upload check enforces the declared keys, structure and shapes: what kind of tensor a
-    method may send (so raw images, labels or per-sample tensors cannot pass). It is not a
-    privacy guarantee: it does not bound what the declared values reveal about a client's data
-    (no clipping, noise or accounting; a method with differential privacy says so itself)."""
+from medpfl.errors import UploadSpecError  # noqa: F401  (defined in medpfl.errors; importable here as before)
 
 
 class LowRank(NamedTuple):

@@ -48,7 +48,8 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from medpfl.config import DPConfig, ParamsError, TrainConfig
+from medpfl.config import DPConfig, TrainConfig
+from medpfl.errors import ParamsError
 from medpfl.fl.payload import ArraySpec, Spec, TreeSpec
 from medpfl.fl.sampling import derive_seed
 from medpfl.fl.upload import (UploadContext, UploadTransform, chain, clients_tuple, clip_by_norm, from_config,
@@ -84,7 +85,7 @@ def not_applicable_reason(algo_cls: type) -> str | None:
 
 
 def check_applicable(method: str, algo_cls: type, key: str) -> None:
-    """Raises :class:`~medpfl.config.ParamsError`, one line naming ``key`` (``train.dp``,
+    """Raises :class:`~medpfl.errors.ParamsError`, one line naming ``key`` (``train.dp``,
     ``method_params.<method>.train.upload``, ...), ``method`` and its algorithm and the reason,
     when the method cannot take upload transforms or DP-FedAvg; nothing otherwise."""
     why = not_applicable_reason(algo_cls)
@@ -126,7 +127,7 @@ class DPFedAvg:
 
     ``sample_rate`` q = m/K; ``sigma`` = z S / m, the std of the noise added to the mean update
     (per entry). :meth:`private_mean` forms it; :meth:`epsilon` accounts it. Raises
-    :class:`~medpfl.config.ParamsError` naming ``train.dp.delta`` when δ ≥ 1/K (such a δ allows a
+    :class:`~medpfl.errors.ParamsError` naming ``train.dp.delta`` when δ ≥ 1/K (such a δ allows a
     mechanism that publishes one client's data outright)."""
 
     def __init__(self, cfg: DPConfig, num_clients: int, per_round: int):
@@ -235,7 +236,7 @@ class UploadPipeline:
 
 def make_upload_pipeline(train: TrainConfig, algo: Any, num_clients: int, per_round: int) -> UploadPipeline | None:
     """The run's pipeline, or None when ``train`` has neither ``upload`` transforms nor ``dp`` (the
-    engine's path is then unchanged). Raises :class:`~medpfl.config.ParamsError` naming the key
+    engine's path is then unchanged). Raises :class:`~medpfl.errors.ParamsError` naming the key
     when the method cannot take them (:func:`check_applicable`), when with ``dp`` its model upload
     holds buffers (BatchNorm statistics: not privatized) and when δ ≥ 1/K."""
     if train.dp is None and not train.upload:

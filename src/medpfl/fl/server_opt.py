@@ -52,7 +52,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from medpfl.config import ParamsError, ServerOptimizerConfig
+from medpfl.config import ServerOptimizerConfig
+from medpfl.errors import ParamsError
 
 #: the server-state key holding the optimizer's state (checkpointed with the server state)
 STATE_KEY = "server_optimizer"
@@ -85,7 +86,7 @@ def not_applicable_reason(algo_cls: type, cfg: Any, algo: Any = None) -> str | N
 
 
 def check_applicable(method: str, algo_cls: type, cfg: Any, key: str, optimizer: str, algo: Any = None) -> None:
-    """Raises :class:`~medpfl.config.ParamsError` (one line naming ``method``, its algorithm and
+    """Raises :class:`~medpfl.errors.ParamsError` (one line naming ``method``, its algorithm and
     ``key``) when a server optimizer cannot run with this method; nothing otherwise."""
     why = not_applicable_reason(algo_cls, cfg, algo)
     if why is None:
@@ -176,7 +177,7 @@ class ServerOptimizer:
 
 def make_server_optimizer(cfg: ServerOptimizerConfig | None, algo: Any) -> ServerOptimizer | None:
     """The server optimizer of a run (None for ``train.server_optimizer: null``) over ``algo``'s
-    trainable parameters. Raises :class:`~medpfl.config.ParamsError` naming the method and
+    trainable parameters. Raises :class:`~medpfl.errors.ParamsError` naming the method and
     ``train.server_optimizer`` when it cannot run with ``algo`` (:func:`check_applicable`)."""
     if cfg is None:
         return None

@@ -38,8 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-class MissingWeightsError(RuntimeError):
-    """A pretrained checkpoint is not in the local cache and cannot be downloaded."""
+from medpfl.errors import MissingWeightsError  # noqa: F401  (defined in medpfl.errors; importable here as before)
 
 
 def _vit_config(checkpoint: str | None, config: dict[str, Any], cache_dir: str | None, image_size: int,

@@ -5,8 +5,9 @@ A zoo entry declares an ``Args`` model (pydantic, unknown keys are errors, every
 default and a description with its source) and a builder ``(input_shape, num_classes, args) ->
 nn.Module``. ``input_shape`` is one sample's shape: ``(C, H, W)`` for images, ``(d,)`` for
 vectors. ``train.model_args`` is validated against the entry's ``Args`` when params are read
-(:class:`medpfl.config.TrainConfig`) and again by :func:`build_model`; errors name the params
-key (``train.model`` or ``train.model_args``), the model and its known arguments.
+(:class:`medpfl.config.TrainConfig`, by way of :mod:`medpfl.compose`) and again by
+:func:`build_model`; errors name the params key (``train.model`` or ``train.model_args``), the
+model and its known arguments.
 
 Adding a model (a ResNet, a ViT): write the module (contract below), an ``Args`` class for its
 knobs (or :class:`NoArgs`), a builder, and one :data:`ZOO` entry; ``tests/test_models.py`` then

@@ -47,6 +47,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, StrictBool, StrictFloat, StrictStr, ValidationError
 from scipy import stats
 
+from medpfl.errors import PaperTableError  # noqa: F401  (defined in medpfl.errors; importable here as before)
 from medpfl.report.stats import CI_LEVEL, NO_INTERVAL
 
 NULL = "—"
@@ -77,11 +78,6 @@ class PaperTable:
             if method in ms:
                 return name
         return ""
-
-
-class PaperTableError(ValueError):
-    """A paper table file (``report.paper_table``) is missing, not YAML or not of the schema; the
-    message names the file and the offending key."""
 
 
 class _Metric(BaseModel):

@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from medpfl.config import ParamsError
+from medpfl.errors import ParamsError
 
 #: Confidence level of every interval in the report.
 CONFIDENCE = 0.95
@@ -103,7 +103,7 @@ def t_interval(values: Iterable, confidence: float = CONFIDENCE) -> Interval | N
 def resolve_reference(methods: list[str], reference: str | None = None) -> str:
     """The reference method: ``reference`` when it is one of ``methods``, else ``fedavg`` when
     present, else the first method. A ``reference`` that is not among the methods is an error
-    (:class:`medpfl.config.ParamsError`, a ``ValueError``, naming ``report.reference``)."""
+    (:class:`medpfl.errors.ParamsError`, a ``ValueError``, naming ``report.reference``)."""
     if not methods:
         raise ParamsError("report.reference: no methods to compare")
     if reference is not None:
