@@ -78,7 +78,7 @@ RESULT_KEYS = {
 }
 #: what the GPU machine lacks (KINDS.md): carried as wheels, pinned as in requirements.lock
 #: medmnist: its ``info.py`` names the data sets (``medpfl.data.sources`` reads it without importing the
-#: package, which needs torchvision); missing there, every import of ``medpfl.config`` fails (first GPU call)
+#: package, which needs torchvision); missing there, validating params fails (the first GPU call, 2026-11-25)
 WHEELS = ("pydantic", "pydantic_core", "annotated-types", "typing-inspection", "typing_extensions", "pandera",
           "typeguard", "typing-inspect", "mypy_extensions", "medmnist")
 #: PFLlib's utils/mem_utils imports calmsize; PyPI has only its sdist: built into a wheel here
