@@ -612,22 +612,24 @@ def _large_case(ctx, blood, name: str) -> dict:
 
     dry = ctx.dry_run
     if name == "vit_lora":
-        part = partition_config(scheme="dirichlet_pairs", num_clients=20, alpha=0.1, pool="all",
+        # dry run (both cases): 1 % of the data over 5 clients at 32 px (over 20 clients one may hold
+        # one sample per class, which the floor split leaves without a train or test sample)
+        part = partition_config(scheme="dirichlet_pairs", num_clients=5 if dry else 20, alpha=0.1, pool="all",
                                 data_fraction=0.01 if dry else 0.2, seed=2025,
                                 local_test={"rule": "ratios", "ratios": [0.4, 0.3, 0.3]})
         train = {"participation": 0.1 if dry else 1.0, "local_epochs": 1, "batch_size": 32,
                  "optimizer": {"lr": 0.001, "momentum": 0.0, "weight_decay": 0.0, "schedule": "cosine", "min_lr": 1e-6},
                  "model": "vit_lora", "transform": {"channels": 3, "normalize": "imagenet"}}
-        return {"size": 224, "partition": part, "train": train, "eval_batch": 256,
+        return {"size": 32 if dry else 224, "partition": part, "train": train, "eval_batch": 256,
                 "setting": "FHBench (config/fhbench-medmnist.yaml) on BloodMNIST upsampled 28->224: pairs Dir(0.1), "
                            "20 % of the pooled splits, 4:3:3, 20 clients all every round, 1 epoch, batch 32, FedAvg"}
-    part = partition_config(scheme="dirichlet", num_clients=20, alpha=0.1, self_balancing=False,
+    part = partition_config(scheme="dirichlet", num_clients=5 if dry else 20, alpha=0.1, self_balancing=False,
                             min_samples=1 if dry else 10, pool="all", data_fraction=0.01 if dry else 1.0, seed=1,
                             local_test={"rule": "ratios", "ratios": [0.7, 0.2, 0.1]})
     train = {"participation": 0.1, "local_epochs": 1 if dry else 5, "batch_size": 64,
              "optimizer": {"lr": 0.001, "momentum": 0.0, "weight_decay": 0.0, "lr_decay": 1.0},
              "sampling": {"scheme": "stream"}, "model": "resnet101"}
-    return {"size": 64, "partition": part, "train": train, "eval_batch": 512,
+    return {"size": 32 if dry else 64, "partition": part, "train": train, "eval_batch": 512,
             "setting": "FedMIC (config/fedmic-main.yaml, lam0.1-n20) on BloodMNIST upsampled 28->64 (a stand-in for "
                        "bloodmnist_64, not in the mirror): Dir(0.1) over the pooled splits, 7:2:1, 10 % of 20 "
                        "clients, 5 epochs, batch 64, FedAvg, random init as the paper"}

@@ -118,6 +118,9 @@ def test_theta_init_random_is_per_client_and_seeded():
     eng = Engine.__new__(Engine)  # only initial_client_states is exercised: no data needed
     eng.algo, eng.seed = algo, 7
     eng.data = type("D", (), {"num_clients": 3})()
+    from medpfl.fl.program import Federation
+
+    eng.federation = Federation(num_clients=3)  # what Engine.__init__ builds for the set-up hooks
     w0 = {"classifier.weight": _t.zeros(2, 1), "classifier.bias": _t.zeros(2)}
     a, b = eng.initial_client_states(w0), eng.initial_client_states(w0)
     th = a["theta"]["classifier.weight"]
