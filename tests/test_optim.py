@@ -158,18 +158,23 @@ def test_sgd_chain_is_the_old_hand_wired_step_bit_for_bit(momentum, wd, clip):
     assert torch.equal(st_new["w"][3], _leaves(1, (4,))["w"][3])  # a row never active is untouched
 
 
+def _lockstep(ref, torch_opt, p, opt, state, steps):
+    """``steps`` steps of ``torch_opt`` on ``ref`` and of the chain ``opt`` on ``p["w"]``, fed the
+    same gradients (``_leaves(step)``, step 1..steps)."""
+    for step in range(1, steps + 1):
+        g = _leaves(step)["w"]
+        ref.grad = g.clone()
+        torch_opt.step()
+        opt.step_(p, {"w": g.clone()}, state, count=step)
+
+
 @pytest.mark.parametrize("momentum, wd", [(0.0, 0.0), (0.0, 0.01), (0.9, 0.0), (0.9, 0.01)])
 def test_sgd_chain_is_torch_sgd_bit_for_bit(momentum, wd):
     w = _leaves(0)["w"]
     ref = w.clone().requires_grad_()
     torch_opt = torch.optim.SGD([ref], lr=0.1, momentum=momentum, weight_decay=wd)
     p, opt = {"w": w.clone()}, sgd(0.1, momentum, wd)
-    state = opt.init(p)
-    for step in range(1, 5):
-        g = _leaves(step)["w"]
-        ref.grad = g.clone()
-        torch_opt.step()
-        opt.step_(p, {"w": g.clone()}, state, count=step)
+    _lockstep(ref, torch_opt, p, opt, opt.init(p), 4)
     assert torch.equal(p["w"], ref.detach()) and not torch.equal(p["w"], w)
 
 
@@ -187,11 +192,7 @@ def test_adam_chain_is_torch_adam(wd, decoupled):
     assert opt.transforms[-2:] == ((add_decayed_weights(wd), scale(-1e-2)) if decoupled else
                                    (scale_by_adam(0.8, 0.99, 1e-6), scale(-1e-2)))
     state = opt.init(p)
-    for step in range(1, 7):
-        g = _leaves(step)["w"]
-        ref.grad = g.clone()
-        torch_opt.step()
-        opt.step_(p, {"w": g.clone()}, state, count=step)
+    _lockstep(ref, torch_opt, p, opt, state, 6)
     torch.testing.assert_close(p["w"], ref.detach(), rtol=1e-6, atol=1e-7)
     if wd == 0 or decoupled:  # the moments see the gradients only: torch's in-place ops, bit for bit
         assert torch.equal(state[0]["mu"]["w"], torch_opt.state[ref]["exp_avg"])
