@@ -290,7 +290,7 @@ def relog_mlflow(run: Path, parent_file: Path, meta: dict) -> str:
 
     from medpfl.environment import mlflow_tags
     from medpfl.io import md5sum
-    from medpfl.tracking import RunLogger, retry
+    from medpfl.tracking import RunLogger, retry, run_name
     from medpfl.train import round_scalars
 
     full = json.loads((run / "job.json").read_text())
@@ -299,7 +299,7 @@ def relog_mlflow(run: Path, parent_file: Path, meta: dict) -> str:
     records = pd.read_parquet(run / "records.parquet")
     rounds = pd.read_parquet(run / "rounds.parquet").sort_values("round")
     table_file = next((Path(i) for i in meta.get("input", []) if i.endswith("partition.parquet")), None)
-    name = f"{job['dataset']}/{job['partition']}/{job['method']}/seed{job['seed']}"
+    name = run_name(job["method"], job["seed"], job["dataset"], job["partition"])
     tags = {"method": job["method"], "algorithm": job["algorithm"], "dataset": job["dataset"],
             "partition": job["partition"], "seed": str(job["seed"]), "study": job["study"],
             "device": str(env.get("device")), "num_clients": str(job["num_clients"]),

@@ -4,13 +4,16 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import pytest
 
 from medpfl.cli import main
-from medpfl.tracking import (EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, NOTE_TAG, RunLogger, init_study, study_children,
+from medpfl.report.stats import t_interval
+from medpfl.tracking import (EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, HEADLINE_METRICS, NOTE_TAG, SHARED_VIEW_TAG, RunLogger,
+                             init_study, log_study, round_significant, share_key, study_children, study_view_state,
                              ui_urls)
 
 
@@ -30,7 +33,7 @@ def test_new_experiment_is_a_model_training_experiment(store):
     rec = init_study("s1", "exp-a", tmp / "results" / "s1" / "mlflow_parent.json", uri=uri, artifact_root=tmp / "art")
     exp = _client(uri).get_experiment(rec["experiment_id"])
     assert exp.tags[EXPERIMENT_KIND_TAG] == EXPERIMENT_KIND == "custom_model_development"
-    assert "dataset/partition/method/seed" in exp.tags[NOTE_TAG]
+    assert "medpfl ui" in exp.tags[NOTE_TAG] and "grouped by method" in exp.tags[NOTE_TAG]
 
 
 def test_existing_experiment_gets_the_tag_and_a_user_choice_is_kept(store):
@@ -70,7 +73,7 @@ def test_study_children_are_ordered_by_dataset_partition_method_seed(store):
     assert [r.info.run_name for r in runs][:3] == ["a/p/fedavg/seed1", "a/p/fedavg/seed2", "a/p/local/seed1"]
 
 
-def test_ui_urls_open_the_machine_learning_view_of_the_study():
+def test_ui_urls_open_the_study_view_of_the_machine_learning_page():
     parent = {"experiment_id": "7", "study": "pfedkd-mnist", "parent_run_id": "x", "tracking_uri": "sqlite:///x"}
     urls = ui_urls(parent, "http://127.0.0.1:5000/", ["r1", "r2"])
     exp = urlsplit(urls["experiment"])
@@ -79,12 +82,83 @@ def test_ui_urls_open_the_machine_learning_view_of_the_study():
     assert route == "/experiments/7/runs"
     q = parse_qs(query)
     assert q["workflowType"] == ["machine_learning"] and q["compareRunsMode"] == ["CHART"]
-    assert q["searchFilter"] == ["tags.study = 'pfedkd-mnist'"]
+    assert q["viewStateShareKey"] == ["medpfl-pfedkd-mnist-charts"]
+    # the UI drops a shared view when the link also carries a search facet
+    assert not {"searchFilter", "orderByKey", "orderByAsc", "startTime", "lifecycleFilter"} & set(q)
+    q = parse_qs(urlsplit(urls["table"]).fragment.partition("?")[2])
+    assert q["viewStateShareKey"] == ["medpfl-pfedkd-mnist-table"] and q["compareRunsMode"] == ["TABLE"]
+    q = parse_qs(urlsplit(urls["runs"]).fragment.partition("?")[2])
+    assert q["searchFilter"] == ["tags.study = 'pfedkd-mnist' and tags.`medpfl.role` = 'training'"]
     route, _, query = urlsplit(urls["compare"]).fragment.partition("?")
     assert route == "/compare-runs"
     q = parse_qs(query)
     assert json.loads(q["runs"][0]) == ["r1", "r2"] and json.loads(q["experiments"][0]) == ["7"]
     assert "compare" not in ui_urls(parent, "http://h:1")
+
+
+def test_study_view_groups_the_study_runs_by_method_headline_charts_first():
+    charts = study_view_state("my study!", "charts")
+    assert charts["searchFilter"] == "tags.study = 'my study!' and tags.`medpfl.role` = 'training'"
+    assert charts["groupBy"] == {"aggregateFunction": "average", "groupByKeys": [{"mode": "tag", "groupByData": "method"}]}
+    assert charts["runsHiddenMode"] == "SHOW_ALL" and charts["isAccordionReordered"] is True
+    sections = [s["uuid"] for s in charts["compareRunSections"]]
+    assert sections == ["medpfl-headline", "medpfl-curves", "medpfl-other"]
+    bars = [c["metricKey"] for c in charts["compareRunCharts"] if c["type"] == "BAR"]
+    assert bars == [k for k, _ in HEADLINE_METRICS] and bars[0] == "avg_global_acc"
+    assert not any(k.endswith("_std_rounds") for k in bars)  # the paper's std-over-rounds columns stay below
+    assert {c["metricSectionId"] for c in charts["compareRunCharts"] if c["type"] == "LINE"} == {"medpfl-curves"}
+    assert len({c["uuid"] for c in charts["compareRunCharts"]}) == len(charts["compareRunCharts"])
+    table = study_view_state("s", "table")
+    assert table["groupBy"] == charts["groupBy"] and "compareRunCharts" not in table
+    assert table["selectedColumns"][3:] == [f"metrics.`{k}`" for k, _ in HEADLINE_METRICS]
+    assert share_key("my study!", "charts") == "medpfl-my-study-charts"
+    with pytest.raises(ValueError, match="layout"):
+        study_view_state("s", "grid")
+
+
+def test_the_study_views_are_published_as_shared_views_of_the_experiment(store):
+    uri, tmp = store
+    rec = init_study("s1", "exp-a", tmp / "p.json", uri=uri, artifact_root=tmp / "art")
+    tags = _client(uri).get_experiment(rec["experiment_id"]).tags
+    for layout in ("charts", "table"):
+        assert json.loads(tags[SHARED_VIEW_TAG + share_key("s1", layout)]) == study_view_state("s1", layout)
+
+
+def test_logged_metrics_are_rounded_to_four_significant_digits_counts_kept(store):
+    assert round_significant(0.123456) == 0.1235 and round_significant(-1234.56) == -1235.0
+    assert round_significant(9.87654e-7) == 9.877e-7 and round_significant(0.0) == 0.0
+    assert math.isnan(round_significant(float("nan"))) and round_significant(float("inf")) == float("inf")
+    uri, tmp = store
+    pf = tmp / "p.json"
+    init_study("s1", "exp", pf, uri=uri, artifact_root=tmp / "art")
+    lg = RunLogger(pf, tmp / "run.json", "r", {"method": "fedavg"})
+    lg.log_metrics({"acc": 0.87654321, "bytes_up": 123456789.0, "bad": float("nan")}, step=3)
+    m = _client(uri).get_run(lg.run_id).data.metrics
+    assert m == {"acc": 0.8765, "bytes_up": 123456789.0}
+
+
+def test_the_report_stage_makes_the_parent_carry_the_study(store):
+    uri, tmp = store
+    pf = tmp / "results" / "s1" / "mlflow_parent.json"
+    rec = init_study("s1", "exp-a", pf, uri=uri, artifact_root=tmp / "art")
+    ids = _children(uri, tmp, pf)
+    c = _client(uri)
+    values = {("a", "fedavg", 1): 0.5, ("a", "fedavg", 2): 0.7, ("a", "local", 1): 0.25}
+    for key, v in values.items():
+        c.log_metric(ids[key], "avg_local_acc", v)
+    before = c.get_run(rec["parent_run_id"]).info.end_time
+    log_study(pf, {"seeds": [1, 2]}, [])
+    runs = {r.info.run_id: r for r in study_children(rec)}
+    for (ds, method, seed), rid in ids.items():  # method first: the UI cuts names from the right
+        assert runs[rid].info.run_name == f"{method} s{seed} {ds}/p"
+    parent = c.get_run(rec["parent_run_id"])
+    assert parent.info.end_time >= before and parent.info.status == "FINISHED"
+    note = parent.data.tags[NOTE_TAG]
+    iv = t_interval([0.5, 0.7])  # fedavg on a: mean 0.6 and its 95 % t interval over the two seeds
+    assert f"| fedavg | 2 | {iv.mean:.4g} ± {iv.half_width:.2g} |" in note
+    assert "| local | 2 | 0.25 (n = 1) |" in note  # one of its two seeds has the metric
+    assert "### a / p" in note and "### b / p" in note and "Avg Local Acc" in note
+    assert parent.data.params["seeds"] == "[1, 2]"
 
 
 def test_medpfl_ui_prints_the_command_and_the_links(store, capsys):
@@ -95,7 +169,8 @@ def test_medpfl_ui_prints_the_command_and_the_links(store, capsys):
     assert main(["ui", "--study", "s1", "--results", str(tmp / "results"), "--port", "5123", "--no-serve"]) == 0
     out = capsys.readouterr().out
     assert f"mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5123" in out
-    assert f"http://127.0.0.1:5123/#/experiments/{rec['experiment_id']}/runs?workflowType=machine_learning" in out
+    assert (f"methods:  http://127.0.0.1:5123/#/experiments/{rec['experiment_id']}/runs?viewStateShareKey=medpfl-s1-charts"
+            in out)
     assert "8 training runs" in out
     compare = next(line for line in out.splitlines() if line.startswith("compare:"))
     assert set(json.loads(unquote(compare.split("runs=")[1].split("&")[0]))) == set(ids.values())

@@ -141,7 +141,7 @@ def cmd_ui(a) -> int:
     import webbrowser
 
     from medpfl.io import read_json
-    from medpfl.tracking import TrackingError, study_children, ui_urls
+    from medpfl.tracking import TrackingError, publish_study_views, study_children, ui_urls
 
     study = a.study
     if not study:
@@ -157,9 +157,10 @@ def cmd_ui(a) -> int:
     remote = uri.startswith(("http://", "https://"))
     base = uri if remote else f"http://{a.host}:{a.port}"
     try:
+        publish_study_views(parent)  # a study tracked by an older medpfl gets its views too
         ids = [r.info.run_id for r in study_children(parent)]
     except TrackingError as e:
-        log.warning("could not list the study's runs (%s); printing the experiment link only", e)
+        log.warning("could not reach the study's store (%s); printing the links only", e)
         ids = []
     urls = ui_urls(parent, base, ids[:a.max_compare])
     cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", a.host, "--port", str(a.port)]
@@ -167,10 +168,16 @@ def cmd_ui(a) -> int:
           f"{len(ids)} training runs, store {uri}")
     if not remote:
         print("server:   mlflow ui --backend-store-uri " + uri + f" --host {a.host} --port {a.port}")
-    print(f"runs:     {urls['experiment']}")
+    print(f"methods:  {urls['experiment']}")
+    print("          charts, one entry per method (mean over seeds; curves with the min-max band); "
+          "click a group for its seeds")
+    print(f"table:    {urls['table']}")
+    print("          a row per method (mean over seeds) above its seed runs, headline metrics as columns")
+    print(f"runs:     {urls['runs']}")
     if "compare" in urls:
         shown = "" if len(ids) <= a.max_compare else f" (the first {a.max_compare} of {len(ids)})"
         print(f"compare:  {urls['compare']}{shown}")
+        print("          MLflow's compare page: every seed run side by side, params and metrics")
     sys.stdout.flush()
     if remote or a.no_serve:
         if a.browser:

@@ -38,12 +38,14 @@ EXPERIMENT_KIND = "custom_model_development"
 #: The experiment's description in the UI.
 NOTE_TAG = "mlflow.note.content"
 EXPERIMENT_NOTE = (
-    "medpfl federated-learning benchmark. One parent run per study (tag medpfl.role=study) and one child run per "
-    "training job, named dataset/partition/method/seedN and tagged study, dataset, partition, method, algorithm, "
-    "seed: group the runs table by these tags to compare methods over seeds. Child runs hold the per-round curves "
-    "(step = round), the FedKPer-paper summary metrics (avg_global_acc, avg_global_bwt, global_consistency, "
-    "avg_local_acc, avg_worst_client_acc, local_consistency, balance, ...) and the environment fingerprint "
-    "(env.* tags)."
+    "medpfl federated-learning benchmark. Open a study with `medpfl ui`: its first link shows the methods compared "
+    "(runs grouped by method, the mean over seeds; one click on a group shows its seeds). One parent run per study "
+    "(tag medpfl.role=study; its description is the study's summary table, its artifacts the report) and one child "
+    "run per training job, named 'method sSEED dataset/partition' and tagged study, dataset, partition, method, "
+    "algorithm, seed. Child runs hold the per-round curves (step = round), the FedKPer-paper summary metrics "
+    "(avg_global_acc, avg_global_bwt, global_consistency, avg_local_acc, avg_worst_client_acc, local_consistency, "
+    "balance, ...) and the environment fingerprint (env.* tags); values are rounded to 4 significant digits (the "
+    "full values are in each run's metrics.json)."
 )
 
 
@@ -134,6 +136,7 @@ def init_study(study: str, experiment: str, out: Path, uri: str | None = None,
     client.set_terminated(run.info.run_id, "FINISHED")
     record = {"tracking_uri": uri, "experiment_id": exp_id, "parent_run_id": run.info.run_id, "study": study,
               "experiment": experiment, "mlflow_version": mlflow.__version__}
+    publish_study_views(record)
     write_json(out, record)
     return record
 
@@ -141,7 +144,11 @@ def init_study(study: str, experiment: str, out: Path, uri: str | None = None,
 def log_study(parent_file: Path, params: dict[str, Any], artifacts: list[Path]) -> None:
     """Log the study's resolved params (as ``config/params.json``; MLflow params are immutable,
     so they are logged only once, as they were at the first report) and the report files to the
-    parent run."""
+    parent run; make the parent carry the study: its description (``mlflow.note.content``) is
+    the per-method summary (:func:`study_summary_markdown`) with the links' use, and its end time
+    is the report's (so its duration spans the study); the children get method-first names
+    (:func:`run_name`; runs trained by an older medpfl or restored from an archive included) and
+    the study's shared views are (re)published (:func:`publish_study_views`)."""
     parent = read_json(parent_file)
     client = _client(parent["tracking_uri"])
     run_id = parent["parent_run_id"]
@@ -155,6 +162,57 @@ def log_study(parent_file: Path, params: dict[str, Any], artifacts: list[Path]) 
             retry(client.log_batch, run_id, params=new[i:i + 100])
     for path in artifacts:
         retry(client.log_artifact, run_id, str(path), "report")
+    children = study_children(parent)
+    for r in children:
+        t = r.data.tags
+        if all(k in t for k in ("method", "seed", "dataset", "partition")):
+            name = run_name(t["method"], t["seed"], t["dataset"], t["partition"])
+            if r.info.run_name != name:
+                retry(client.update_run, r.info.run_id, name=name)
+    publish_study_views(parent)
+    from mlflow.entities import RunTag
+
+    retry(client.log_batch, run_id, tags=[RunTag(NOTE_TAG, study_summary_markdown(parent["study"], children))])
+    retry(client.set_terminated, run_id, "FINISHED", int(time.time() * 1000))
+
+
+def study_summary_markdown(study: str, children: list) -> str:
+    """The study's parent-run description: per (data set, partition) a markdown table of the
+    headline metrics (:data:`HEADLINE_METRICS` that some run has), a row per method with the
+    mean over seeds ± the half-width of the 95 % t interval (``medpfl.report.stats.t_interval``;
+    "n = 1" where one seed), from the children's logged summary metrics."""
+    from medpfl.report.stats import t_interval
+
+    by: dict[tuple[str, str], dict[str, list]] = {}
+    for r in children:
+        t = r.data.tags
+        by.setdefault((t.get("dataset", "?"), t.get("partition", "?")), {}).setdefault(t.get("method", "?"), []).append(r)
+    lines = [f"**medpfl study `{study}`**: {len(children)} training runs. Each cell: mean over seeds ± half-width "
+             "of the 95 % t interval (sources of variance: see the report's caption). The study's report is in this "
+             "run's artifacts (`report/`); the per-seed runs are its child runs.", ""]
+    for (ds, part), methods in sorted(by.items()):
+        keys = [(k, title) for k, title in HEADLINE_METRICS
+                if any(k in r.data.metrics for runs in methods.values() for r in runs)]
+        lines += [f"### {ds} / {part}", "",
+                  "| method | seeds | " + " | ".join(title for _, title in keys) + " |",
+                  "|---|---|" + "---|" * len(keys)]
+        for method, runs in sorted(methods.items()):
+            cells = []
+            for k, _ in keys:
+                iv = t_interval([r.data.metrics.get(k) for r in runs])
+                if iv is None:
+                    cells.append("—")
+                elif iv.half_width is None:
+                    cells.append(f"{iv.mean:.4g} (n = 1)")
+                else:
+                    cells.append(f"{iv.mean:.4g} ± {iv.half_width:.2g}")
+            lines.append(f"| {method} | {len(runs)} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)[:MAX_NOTE_CHARS]
+
+
+#: MLflow's limit on a tag value (``mlflow.utils.validation.MAX_TAG_VAL_LENGTH``).
+MAX_NOTE_CHARS = 8000
 
 
 def study_children(parent: dict) -> list:
@@ -173,25 +231,161 @@ def study_children(parent: dict) -> list:
     return sorted(runs, key=key)
 
 
+#: The study view's headline bar charts, in display order: (summary metric key, chart title).
+#: The FedKPer-paper metrics (``docs/metrics.md``), then the final client accuracy, the worst
+#: client, the bytes and the privacy spent (DP runs only; a metric no run has is left out).
+HEADLINE_METRICS: tuple[tuple[str, str], ...] = (
+    ("avg_global_acc", "Avg Global Acc ↑ (FedKPer Table 1)"),
+    ("avg_local_acc", "Avg Local Acc ↑ (FedKPer Table 1)"),
+    ("avg_worst_client_acc", "Avg Worst Client Acc ↑"),
+    ("final_client_acc_mean", "Final mean client accuracy ↑ (deployed models)"),
+    ("final_client_acc_worst", "Final worst client accuracy ↑"),
+    ("final_global_acc", "Final global-model accuracy ↑"),
+    ("balance", "Balance ↑ (FedKPer)"),
+    ("global_consistency", "Avg Global Consistency ↑"),
+    ("local_consistency", "Avg Local Consistency ↑"),
+    ("avg_global_bwt", "Avg Global BwT ↑"),
+    ("mb_per_round", "MB per round ↓ (up + down)"),
+    ("epsilon", "Privacy spent: ε at δ ↓ (DP runs)"),
+)
+#: The per-round curves (step = round) of the study view: (metric key, chart title).
+CURVE_METRICS: tuple[tuple[str, str], ...] = (
+    ("global_test_acc", "Global model: test accuracy per round"),
+    ("personalized_acc_mean", "Personalized models: mean client accuracy per round"),
+    ("local_acc_mean", "After local training: mean client accuracy per round"),
+    ("local_acc_worst", "After local training: worst client accuracy per round"),
+    ("dp_epsilon", "Privacy spent per round: ε at δ"),
+)
+#: The experiment tag prefix under which the MLflow UI (3.x) keeps a shared view of the runs page
+#: (the UI's "Share" button; read back by the ``viewStateShareKey`` URL parameter).
+SHARED_VIEW_TAG = "mlflow.sharedViewState."
+#: MLflow's own number of significant digits is none: summary metrics are logged rounded to this
+#: many (the full values stay in each run's ``metrics.json``).
+LOGGED_DIGITS = 4
+
+
+def round_significant(x: float, digits: int = LOGGED_DIGITS) -> float:
+    """``x`` rounded to ``digits`` significant digits (``0.123456 -> 0.1235``; 0, NaN and inf as
+    they are)."""
+    import math
+
+    if not math.isfinite(x) or x == 0:
+        return x
+    return round(x, digits - 1 - int(math.floor(math.log10(abs(x)))))
+
+
+def study_filter(study: str) -> str:
+    """The MLflow search filter of a study's training runs (its children; not the parent)."""
+    return f"tags.study = '{study}' and tags.`medpfl.role` = 'training'"
+
+
+def share_key(study: str, layout: str) -> str:
+    """The shared-view key of a study's ``layout`` (``charts`` or ``table``): letters, digits and
+    ``-`` only (it is a URL parameter and part of an experiment tag's key)."""
+    import re
+
+    return f"medpfl-{re.sub(r'[^A-Za-z0-9]+', '-', study).strip('-')}-{layout}"
+
+
+def study_view_state(study: str, layout: str = "charts") -> dict[str, Any]:
+    """The MLflow runs-page state that opens a study as a comparison of methods (MLflow 3.17's
+    shared view state: the fields of the UI's search facets and runs-page UI state).
+
+    Both layouts show the study's training runs grouped by the ``method`` tag with the group's
+    average (``groupBy``), every group shown (``runsHiddenMode: SHOW_ALL``), the per-seed runs
+    inside each group (one click on the group). ``charts``: a first section of bar charts, one
+    bar per method (:data:`HEADLINE_METRICS`), and a second of per-round line charts
+    (:data:`CURVE_METRICS`; a group's line is the mean over its seeds with the min-max band);
+    MLflow adds every other metric in a last section. ``table``: the runs table with the
+    headline metrics as columns, a group row per method holding the mean over seeds.
+
+    Raises ValueError for another layout."""
+    if layout not in ("charts", "table"):
+        raise ValueError(f"study view layout {layout!r}: expected 'charts' or 'table'")
+    state: dict[str, Any] = {
+        "searchFilter": study_filter(study),
+        "groupBy": {"aggregateFunction": "average", "groupByKeys": [{"mode": "tag", "groupByData": "method"}]},
+        "runsHiddenMode": "SHOW_ALL",
+        "useGroupedValuesInCharts": True,
+        "hideEmptyCharts": True,
+    }
+    if layout == "table":
+        state["selectedColumns"] = (["tags.`seed`", "tags.`dataset`", "tags.`partition`"]
+                                    + [f"metrics.`{k}`" for k, _ in HEADLINE_METRICS])
+        return state
+    sections = [
+        {"uuid": "medpfl-headline", "name": "Methods compared: mean over seeds (bars)", "display": True,
+         "isReordered": True, "deleted": False, "isGenerated": False},
+        {"uuid": "medpfl-curves", "name": "Per round: mean over seeds, band = min to max", "display": True,
+         "isReordered": True, "deleted": False, "isGenerated": False},
+        {"uuid": "medpfl-other", "name": "Model metrics", "display": True, "isReordered": False, "deleted": False,
+         "isGenerated": True},  # MLflow puts every metric not charted above here
+    ]
+    charts: list[dict[str, Any]] = [
+        {"type": "BAR", "uuid": f"medpfl-bar-{k}", "metricKey": k, "displayName": title, "deleted": False,
+         "isGenerated": False, "metricSectionId": "medpfl-headline"} for k, title in HEADLINE_METRICS]
+    charts += [
+        {"type": "LINE", "uuid": f"medpfl-line-{k}", "metricKey": k, "selectedMetricKeys": [k], "displayName": title,
+         "deleted": False, "isGenerated": False, "metricSectionId": "medpfl-curves", "xAxisKey": "step",
+         "selectedXAxisMetricKey": "", "xAxisScaleType": "linear", "scaleType": "linear", "lineSmoothness": 0,
+         "range": {}, "yAxisKey": "metric", "yAxisExpressions": [], "ignoreOutliers": False,
+         "useGlobalXaxisKey": False, "useGlobalLineSmoothing": False} for k, title in CURVE_METRICS]
+    state.update({"compareRunCharts": charts, "compareRunSections": sections, "isAccordionReordered": True})
+    return state
+
+
+def publish_study_views(parent: dict) -> dict[str, str]:
+    """Store the study's two views (:func:`study_view_state`) as shared views of its experiment
+    (experiment tags ``mlflow.sharedViewState.<key>``, as the UI's Share button does) and return
+    ``{layout: key}``. Idempotent; the tags are rewritten, so a newer medpfl's view replaces an
+    older one. Raises :class:`TrackingError` when the store does not answer."""
+    client = _client(parent["tracking_uri"])
+    keys = {}
+    for layout in ("charts", "table"):
+        key = share_key(parent["study"], layout)
+        retry(client.set_experiment_tag, parent["experiment_id"], SHARED_VIEW_TAG + key,
+              json.dumps(study_view_state(parent["study"], layout), ensure_ascii=False, separators=(",", ":")))
+        keys[layout] = key
+    return keys
+
+
 def ui_urls(parent: dict, base: str, run_ids: list[str] = ()) -> dict[str, str]:
     """Links into the MLflow UI at ``base`` (``http://127.0.0.1:5000``) for one study:
 
-    * ``experiment``: the experiment's runs in the machine-learning view (``workflowType``; the
-      MLflow 3.17 UI picks the view from this switch, default GenAI, rather than from the
-      experiment tag), as charts (``compareRunsMode=CHART``: one chart per metric, a bar per
-      run, once the study's parent run is expanded), filtered to the study;
+    * ``experiment``: the study's comparison, as charts (:func:`study_view_state`, stored by
+      :func:`publish_study_views`; the link names the shared view, ``viewStateShareKey``, and the
+      machine-learning view, ``workflowType``: the MLflow 3.17 UI picks the view from this
+      switch, default GenAI, rather than from the experiment tag). The UI ignores a shared view
+      when the link also has a search filter, so the filter is in the view;
+    * ``table``: the same runs as a table, a row per method (mean over seeds) above its seeds;
+    * ``runs``: the study's runs, filtered, with no grouping (the UI's own defaults);
     * ``compare``: MLflow's compare page for ``run_ids`` (params and metrics side by side).
     """
     base = base.rstrip("/")
     exp = parent["experiment_id"]
-    query = urlencode({"workflowType": "machine_learning", "compareRunsMode": "CHART",
-                       "searchFilter": f"tags.study = '{parent['study']}'"}, quote_via=quote)
-    out = {"experiment": f"{base}/#/experiments/{exp}/runs?{query}"}
+    study = parent["study"]
+
+    def runs_page(**q: str) -> str:
+        return f"{base}/#/experiments/{exp}/runs?{urlencode(q, quote_via=quote)}"
+
+    out = {
+        "experiment": runs_page(viewStateShareKey=share_key(study, "charts"), workflowType="machine_learning",
+                                compareRunsMode="CHART"),
+        "table": runs_page(viewStateShareKey=share_key(study, "table"), workflowType="machine_learning",
+                           compareRunsMode="TABLE"),
+        "runs": runs_page(workflowType="machine_learning", compareRunsMode="TABLE", searchFilter=study_filter(study)),
+    }
     if run_ids:
         ids = quote(json.dumps(list(run_ids), separators=(",", ":")))
         out["compare"] = (f"{base}/#/compare-runs?runs={ids}&experiments={quote(json.dumps([exp]))}"
                           "&workflowType=machine_learning")
     return out
+
+
+def run_name(method: str, seed: int | str, dataset: str, partition: str) -> str:
+    """A training run's MLflow name, method first (the UI cuts long names from the right):
+    ``fedavg s1 bloodmnist/dir0.1``."""
+    return f"{method} s{seed} {dataset}/{partition}"
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -204,6 +398,12 @@ def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
         else:
             out[key] = v
     return out
+
+
+def _shown(x: float) -> float:
+    """A metric value as logged: integers exact, other values to :data:`LOGGED_DIGITS`
+    significant digits."""
+    return x if x.is_integer() else round_significant(x)
 
 
 class RunLogger:
@@ -255,10 +455,13 @@ class RunLogger:
             retry(self.client.log_batch, self.run_id, params=[Param(k, v) for k, v in items[i:i + 100]])
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        """Log ``metrics`` at ``step`` (0 when None); NaN and None are skipped, fractional values are
+        rounded to :data:`LOGGED_DIGITS` significant digits (the MLflow UI prints up to 16 and has
+        no setting for it; the full values are in the run's files), integers are kept exact."""
         from mlflow.entities import Metric
 
         ts = int(time.time() * 1000)
-        ms = [Metric(k, float(v), ts, step if step is not None else 0) for k, v in metrics.items()
+        ms = [Metric(k, _shown(float(v)), ts, step if step is not None else 0) for k, v in metrics.items()
               if v is not None and v == v]
         for i in range(0, len(ms), 500):
             retry(self.client.log_batch, self.run_id, metrics=ms[i:i + 500])
