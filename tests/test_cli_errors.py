@@ -1,8 +1,11 @@
 """Known errors fail with one clear message and exit status 2 (``medpfl.cli.main``, in process),
-and a params typo stops Snakemake before any job runs."""
+and a params typo stops Snakemake before any job runs; the parser documents every option, says how
+to run a study, and names the nearest command for a typo."""
 
 from __future__ import annotations
 
+import argparse
+import importlib.metadata
 import json
 import urllib.error
 import urllib.request
@@ -11,8 +14,9 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+import medpfl
 from helpers import make_env, md5, snakemake, tiny_params, write_params, write_synthetic
-from medpfl.cli import main
+from medpfl.cli import USER_COMMANDS, build_parser, main, package_version
 from medpfl.data import sources
 
 
@@ -177,3 +181,105 @@ def test_snakemake_params_typo_fails_before_any_job(tmp_path, synth):
     for folder in ("data", "results", "logs"):
         assert not (tmp_path / folder).exists(), f"{folder}/ was created: a job ran"
     assert yaml.safe_load((tmp_path / "params.yaml").read_text())["train"]["particpation"] == 0.5
+
+
+# ----- the parser ----------------------------------------------------------------------------
+def _undocumented(parser: argparse.ArgumentParser, prog: str = "medpfl") -> list[str]:
+    """``prog option`` for every option or positional (but -h) of ``parser`` and its commands
+    without a help text."""
+    missing = []
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                missing += _undocumented(sub, f"{prog} {name}")
+            continue
+        if not action.help or action.help == argparse.SUPPRESS:
+            missing.append(f"{prog} {'/'.join(action.option_strings) or action.dest}")
+    return missing
+
+
+def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    (action,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return action.choices
+
+
+def test_every_option_of_every_command_has_help():
+    assert _undocumented(build_parser()) == []
+
+
+def test_the_help_check_finds_an_undocumented_option():
+    """The walk above is not vacuous: an option added without help (to a command too) is named."""
+    parser = build_parser()
+    _commands(parser)["train"].add_argument("--new-option", type=int)
+    parser.add_argument("--top-level")
+    assert sorted(_undocumented(parser)) == ["medpfl --top-level", "medpfl train --new-option"]
+
+
+def test_help_says_how_to_run_a_study_and_groups_the_commands(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for how in ("snakemake --cores all", "--configfile config/<study>.yaml", "medpfl ui", "medpfl check-params",
+                "medpfl doctor"):
+        assert how in out, how
+    assert "`" not in out and ":mod:" not in out, "raw markup in --help"
+    user, stages = out.index("\ncommands:"), out.index("\nstage commands (Snakemake runs these")
+    assert user < stages
+    listed = {line.split()[0]: i for i, line in enumerate(out[user:].splitlines()) if line.startswith("  ")}
+    assert set(listed) == set(_commands(build_parser())), "a command is missing from --help, or listed twice"
+    boundary = out[:stages].count("\n") - out[:user].count("\n")
+    for name in USER_COMMANDS:
+        assert listed[name] < boundary, f"{name} listed under the stage commands"
+    for name in ("download", "preprocess", "partition", "partition-figure", "mlflow-init", "train", "evaluate",
+                 "report"):
+        assert listed[name] > boundary, f"{name} not listed under the stage commands"
+
+
+@pytest.mark.parametrize("name", ["train", "doctor", "synthetic"])
+def test_command_help_describes_each_option(capsys, name):
+    with pytest.raises(SystemExit) as e:
+        main([name, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: medpfl {name}")
+    for action in _commands(build_parser())[name]._actions:
+        assert action.option_strings[-1] in out if action.option_strings else action.dest in out
+    if name == "train":
+        assert '"method_params"' in out and "@FILE" in out  # the --job JSON's shape
+        assert "Snakemake stage command" in " ".join(out.split())
+    if name == "synthetic":
+        assert "(default: 400)" in out  # --train
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out == f"medpfl {importlib.metadata.version('medpfl')}\n"
+    assert package_version() == medpfl.__version__  # pyproject.toml and the package agree
+
+
+@pytest.mark.parametrize("argv, nearest", [
+    (["trian"], ["train"]),
+    (["-v", "dcotor", "--no-pipeline"], ["doctor"]),
+    (["partiton"], ["partition"]),
+    (["check-param", "params.yaml"], ["check-params"]),
+])
+def test_mistyped_command_names_the_nearest(capsys, argv, nearest):
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    word = next(a for a in argv if not a.startswith("-"))
+    assert lines[0].startswith(f"medpfl: error: unknown command {word!r}; did you mean {nearest[0]}")
+
+
+def test_unknown_command_far_from_any_lists_them(capsys):
+    assert main(["xyzzy"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "did you mean" not in err
+    assert all(name in err for name in _commands(build_parser()))

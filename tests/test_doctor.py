@@ -1,6 +1,8 @@
-"""`medpfl doctor` on a throw-away setup: good data passes, a corrupt file fails with advice."""
+"""`medpfl doctor` on a throw-away setup: good data passes, a corrupt file fails with advice, and
+a missing MLflow store is reported missing without being created (in a project or outside one)."""
 
 import json
+import os
 
 from medpfl.cli import main
 from medpfl.data.synthetic import write_synthetic_npz
@@ -16,14 +18,61 @@ def _setup(tmp_path, monkeypatch):
     monkeypatch.setenv("MEDPFL_DATA_MIRROR", str(tmp_path))
 
 
+def _files(folder) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def _line(out: str, name: str) -> str:
+    return next(line for line in out.splitlines() if line[6:].startswith(name + " "))
+
+
 def test_doctor_reports_each_check(tmp_path, monkeypatch, capsys):
     _setup(tmp_path, monkeypatch)
-    assert main(["doctor", "--no-pipeline"]) == 0
+    store = tmp_path / "mlruns.db"  # conftest's MLFLOW_TRACKING_URI
+    assert os.environ["MLFLOW_TRACKING_URI"] == f"sqlite:///{store}" and not store.exists()
+    assert main(["doctor", "--no-pipeline"]) == 0  # a store that does not exist yet is no failure
     out = capsys.readouterr().out
     assert "ok  params" in out
     assert "data synth" in out and "mirror" in out  # not downloaded yet, but the mirror has it
-    assert "ok  mlflow" in out
+    mlflow = _line(out, "mlflow")
+    assert mlflow.startswith("warn") and "missing" in mlflow and "first `snakemake` run" in mlflow, mlflow
+    assert not store.exists(), "doctor created the MLflow store it was checking"
     assert "gpu" in out
+
+    assert main(["mlflow-init", "--study", "t", "--experiment", "t", "--out", str(tmp_path / "parent.json")]) == 0
+    assert store.exists()
+    capsys.readouterr()
+    assert main(["doctor", "--no-pipeline"]) == 0
+    assert _line(capsys.readouterr().out, "mlflow").startswith("  ok")
+
+
+def test_doctor_outside_a_project_creates_nothing(tmp_path, monkeypatch, capsys):
+    """No params.yaml, MLflow's default store (mlruns.db in the current folder): every check
+    runs, the store is reported missing, and the folder stays empty."""
+    here = tmp_path / "elsewhere"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    assert main(["doctor"]) == 1  # the params check fails
+    out = capsys.readouterr().out
+    assert "FAIL  params" in out
+    mlflow = _line(out, "mlflow")
+    assert mlflow.startswith("warn") and f"{here / 'mlruns.db'}: missing" in mlflow, mlflow
+    assert "ok" not in mlflow.split()[0]
+    assert _files(here) == [], f"doctor created files outside a project: {_files(here)}"
+
+
+def test_doctor_store_in_a_missing_folder_fails_and_creates_nothing(tmp_path, monkeypatch, capsys):
+    here = tmp_path / "elsewhere"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    store = tmp_path / "no-such-folder" / "mlruns.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{store}")
+    before = _files(tmp_path)
+    assert main(["doctor"]) == 1
+    mlflow = _line(capsys.readouterr().out, "mlflow")
+    assert mlflow.startswith("FAIL") and "missing" in mlflow and str(store.parent) in mlflow, mlflow
+    assert _files(tmp_path) == before, "doctor created files"
 
 
 def test_doctor_fails_on_a_corrupt_raw_file(tmp_path, monkeypatch, capsys):

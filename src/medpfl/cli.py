@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import sys
+import textwrap
 from pathlib import Path
 
 from medpfl.errors import PROJECT_ERRORS
@@ -227,115 +228,230 @@ def cmd_synthetic(a) -> None:
 
 
 # ----- parser --------------------------------------------------------------------------------
+DESCRIPTION = """\
+Reproducible federated and personalized federated learning benchmarks on medical images.
+
+Run a study from the project folder (the one holding params.yaml and the Snakefile):
+  snakemake --cores all                                    the default study (params.yaml)
+  snakemake --cores all --configfile config/<study>.yaml   a named study (params.yaml + overlay)
+Then compare its runs in MLflow:
+  medpfl ui [--overlay config/<study>.yaml]
+Before spending hours:
+  medpfl check-params [--overlay config/<study>.yaml]      validate the parameters
+  medpfl doctor [--overlay config/<study>.yaml]            check params, data, MLflow, GPU, DVC"""
+
+#: (name, one-line help) of the commands a person runs, in the order --help lists them.
+USER_COMMANDS = {
+    "ui": "show a study's runs in the MLflow UI (prints the links, serves mlflow ui)",
+    "check-params": "validate params.yaml (+ overlays) and exit",
+    "doctor": "check params, data MD5s, MLflow store, GPU, DVC and Snakemake state",
+    "sync": "after git checkout: dvc checkout, then snakemake --touch",
+    "synthetic": "write a small synthetic data set in the official MedMNIST .npz layout",
+}
+#: (name, one-line help) of the stage commands: what each Snakemake rule runs.
+STAGE_COMMANDS = {
+    "download": "fetch a data set's file (mirror first, then the official URL), MD5-checked",
+    "preprocess": "official .npz -> compact uint8 arrays + sample table",
+    "partition": "split the pool over clients; local train/test(/val) splits",
+    "partition-figure": "heat map of a partition's samples per class and client",
+    "mlflow-init": "create the MLflow store, experiment and the study's parent run",
+    "train": "one training job (data set x partition x method x seed)",
+    "evaluate": "metrics of one training run",
+    "report": "tables and figures across methods and seeds",
+}
+
+
+def _listing(commands: dict[str, str]) -> str:
+    width = max(len(n) for n in {**USER_COMMANDS, **STAGE_COMMANDS})
+    return "\n".join(f"  {n:<{width}}  {h}" for n, h in commands.items())
+
+
+EPILOG = f"""\
+commands:
+{_listing(USER_COMMANDS)}
+
+stage commands (Snakemake runs these, one per rule, with explicit paths and a --job JSON;
+run them by hand only to debug a stage):
+{_listing(STAGE_COMMANDS)}
+
+medpfl <command> -h shows a command's options."""
+
+JOB_HELP = "the job description as JSON, or @FILE to read it from FILE"
+
+
+def package_version() -> str:
+    """The installed distribution's version (``importlib.metadata``), else ``medpfl.__version__``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("medpfl")
+    except PackageNotFoundError:
+        from medpfl import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="medpfl", description=__doc__.splitlines()[0])
-    p.add_argument("-v", "--verbose", action="store_true")
-    sub = p.add_subparsers(dest="command", required=True)
+    """The ``medpfl`` parser: the user commands and one stage command per Snakemake rule."""
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(prog="medpfl", description=DESCRIPTION, epilog=EPILOG, formatter_class=fmt)
+    p.add_argument("--version", action="version", version=f"medpfl {package_version()}",
+                   help="print medpfl's version and exit")
+    p.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level instead of INFO")
+    # The parsers are added without help=, so argparse does not list them in one flat block: the
+    # epilog lists them in two groups.
+    sub = p.add_subparsers(dest="command", required=True, metavar="<command>",
+                           help="one of the commands listed below")
 
-    s = sub.add_parser("download", help="fetch a data set file (mirror first, then the official URL), MD5-checked")
-    s.add_argument("--dataset")
-    s.add_argument("--job", help="JSON {dataset, custom}")
-    s.add_argument("--out", required=True)
-    s.set_defaults(fn=cmd_download)
+    def command(name: str, fn, **kw) -> argparse.ArgumentParser:
+        text = USER_COMMANDS.get(name) or STAGE_COMMANDS[name]
+        if name in STAGE_COMMANDS:
+            text += " (a Snakemake stage command: the pipeline runs it, with explicit paths)"
+        s = sub.add_parser(name, description=textwrap.fill(text[0].upper() + text[1:] + "."), formatter_class=fmt,
+                           **kw)
+        s.set_defaults(fn=fn)
+        return s
 
-    s = sub.add_parser("preprocess", help="official .npz -> compact uint8 NCHW arrays + sample table")
-    s.add_argument("--dataset")
-    s.add_argument("--job")
-    s.add_argument("--raw", required=True)
-    s.add_argument("--out", required=True)
-    s.add_argument("--samples", required=True)
-    s.set_defaults(fn=cmd_preprocess)
+    def overlay(s: argparse.ArgumentParser) -> None:
+        s.add_argument("--overlay", action="append", default=[], metavar="YAML",
+                       help="a study overlay merged over the params file, e.g. config/pfedkd-mnist.yaml "
+                            "(repeat for several, applied in order; default: none)")
 
-    s = sub.add_parser("partition", help="split the train pool over clients; local train/test splits")
-    s.add_argument("--job", required=True, help="JSON {dataset, name, config}")
-    s.add_argument("--arrays", required=True)
-    s.add_argument("--samples", required=True)
-    s.add_argument("--out-dir", required=True)
-    s.set_defaults(fn=cmd_partition)
+    s = command("download", cmd_download)
+    s.add_argument("--dataset", metavar="NAME", help="data set name, e.g. bloodmnist (used when --job is absent)")
+    s.add_argument("--job", metavar="JSON", help=JOB_HELP + ': {"dataset": NAME, "custom": {NAME: {path, md5, '
+                   '...}}, "synthetic": {...}} (data.custom / data.synthetic of params.yaml)')
+    s.add_argument("--out", required=True, metavar="PATH", help="where to write the raw file, e.g. "
+                   "data/raw/bloodmnist.npz")
 
-    s = sub.add_parser("partition-figure", help="heat map of a partition's samples per class and client")
-    s.add_argument("--stats", required=True, help="the partition's client_stats.json")
-    s.add_argument("--out", required=True, help="PNG file to write")
-    s.set_defaults(fn=cmd_partition_figure)
+    s = command("preprocess", cmd_preprocess)
+    s.add_argument("--dataset", metavar="NAME", help="data set name (used when --job is absent)")
+    s.add_argument("--job", metavar="JSON", help=JOB_HELP + ': {"dataset": NAME, "custom": {...}, '
+                   '"synthetic": {...}}, as for download')
+    s.add_argument("--raw", required=True, metavar="PATH", help="the downloaded raw file (data/raw/<dataset>.npz)")
+    s.add_argument("--out", required=True, metavar="NPZ", help="processed arrays to write "
+                   "(data/processed/<dataset>.npz)")
+    s.add_argument("--samples", required=True, metavar="PARQUET", help="sample table to write: one row per "
+                   "image with its split and label (data/processed/<dataset>.samples.parquet)")
 
-    s = sub.add_parser("mlflow-init", help="create the MLflow store, experiment and the study's parent run")
-    s.add_argument("--study", required=True)
-    s.add_argument("--experiment", required=True)
-    s.add_argument("--out", required=True)
-    s.set_defaults(fn=cmd_mlflow_init)
+    s = command("partition", cmd_partition)
+    s.add_argument("--job", required=True, metavar="JSON", help=JOB_HELP + ': {"dataset": NAME, "name": '
+                   'PARTITION, "config": {the partition\'s flat settings: scheme, num_clients, seed, ...}}')
+    s.add_argument("--arrays", required=True, metavar="NPZ", help="processed arrays from preprocess")
+    s.add_argument("--samples", required=True, metavar="PARQUET", help="sample table from preprocess")
+    s.add_argument("--out-dir", required=True, metavar="DIR", help="folder to write partition.parquet and "
+                   "client_stats.json into (data/partitions/<dataset>/<partition>)")
 
-    s = sub.add_parser("train", help="one federated training job (dataset x partition x method x seed)")
-    s.add_argument("--job", required=True)
-    s.add_argument("--arrays", required=True)
-    s.add_argument("--samples", required=True)
-    s.add_argument("--partition-table", required=True)
-    s.add_argument("--parent", help="parent.json from mlflow-init (omit: no tracking)")
-    s.add_argument("--out-dir", required=True)
-    s.add_argument("--threads", type=int, default=0)
-    s.set_defaults(fn=cmd_train)
+    s = command("partition-figure", cmd_partition_figure)
+    s.add_argument("--stats", required=True, metavar="JSON", help="the partition's client_stats.json")
+    s.add_argument("--out", required=True, metavar="PNG", help="PNG file to write")
 
-    s = sub.add_parser("evaluate", help="metrics of one training run (paper protocol and plain views)")
-    s.add_argument("--run-dir", required=True)
-    s.set_defaults(fn=cmd_evaluate)
+    s = command("mlflow-init", cmd_mlflow_init)
+    s.add_argument("--study", required=True, metavar="NAME", help="the study's name (params.yaml: study)")
+    s.add_argument("--experiment", required=True, metavar="NAME", help="MLflow experiment name "
+                   "(params.yaml: mlflow.experiment)")
+    s.add_argument("--out", required=True, metavar="JSON", help="where to write the parent run's description "
+                   "(results/<study>/mlflow_parent.json); the store is $MLFLOW_TRACKING_URI, else "
+                   "sqlite:///mlruns.db in the current folder")
 
-    s = sub.add_parser("report", help="tables and figures across methods and seeds")
-    s.add_argument("--runs", nargs="+", required=True)
-    s.add_argument("--partition-figures", nargs="*", default=[])
-    s.add_argument("--out-dir", required=True)
-    s.add_argument("--title")
-    s.add_argument("--parent", help="parent.json: log the study params and the report to the parent run")
-    s.add_argument("--study-params", help="JSON of the study's resolved params")
-    s.add_argument("--paper-table", help="a paper's table as data (report.paper_table): add the side-by-side")
-    s.add_argument("--reference", help="the method the others are compared with, paired by seed (report.reference; "
-                                       "default: fedavg when present, else the first method)")
-    s.set_defaults(fn=cmd_report)
+    s = command("train", cmd_train)
+    s.add_argument("--job", required=True, metavar="JSON", help=JOB_HELP + ': {"study", "dataset", "partition", '
+                   '"method", "algorithm", "method_params": {...}, "seed": INT, "num_clients": INT, "train": '
+                   '{...}, "eval": {...}[, "pool": "all"]} (medpfl.config.train_job writes it)')
+    s.add_argument("--arrays", required=True, metavar="NPZ", help="processed arrays from preprocess")
+    s.add_argument("--samples", required=True, metavar="PARQUET", help="sample table from preprocess")
+    s.add_argument("--partition-table", required=True, metavar="PARQUET", help="partition.parquet from partition")
+    s.add_argument("--parent", metavar="JSON", help="mlflow_parent.json from mlflow-init: log the run as its "
+                   "child (default: no MLflow tracking)")
+    s.add_argument("--out-dir", required=True, metavar="DIR", help="run folder for records.parquet, "
+                   "rounds.parquet, job.json, checkpoints and final_model.pt")
+    s.add_argument("--threads", type=int, default=0, metavar="N", help="torch CPU threads for this job "
+                   "(default: %(default)s = torch's own default)")
 
-    s = sub.add_parser("ui", help="open a study's runs in the MLflow UI (prints the links; serves mlflow ui)")
-    s.add_argument("--study", help="the study's name (default: the study of params.yaml + overlays)")
-    s.add_argument("--params", default="params.yaml")
-    s.add_argument("--overlay", action="append", default=[], help="a study overlay, e.g. config/pfedkd-mnist.yaml")
-    s.add_argument("--results", default="results", help="the results folder (holds <study>/mlflow_parent.json)")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=5000)
-    s.add_argument("--no-serve", action="store_true", help="only print the command and the links")
+    s = command("evaluate", cmd_evaluate)
+    s.add_argument("--run-dir", required=True, metavar="DIR", help="a train run folder (holds records.parquet); "
+                   "metrics.json, round_metrics.csv and client_accuracy.csv are written into it")
+
+    s = command("report", cmd_report)
+    s.add_argument("--runs", nargs="+", required=True, metavar="DIR", help="evaluated run folders to compare")
+    s.add_argument("--partition-figures", nargs="*", default=[], metavar="PNG",
+                   help="partition heat maps to include (default: none)")
+    s.add_argument("--out-dir", required=True, metavar="DIR", help="folder for table.md, table.html, "
+                   "summary.csv, summary.json, paired.csv and curves.png")
+    s.add_argument("--title", metavar="TEXT", help="the report's title (default: none)")
+    s.add_argument("--parent", metavar="JSON", help="mlflow_parent.json: log the study params and the report "
+                   "to the parent run (default: no MLflow logging)")
+    s.add_argument("--study-params", metavar="JSON", help="the study's resolved params as JSON (or @FILE), "
+                   "logged to the parent run with --parent")
+    s.add_argument("--paper-table", metavar="YAML", help="a paper's table as data (report.paper_table, "
+                   "config/papers/*.yaml): add the side-by-side comparison")
+    s.add_argument("--reference", metavar="METHOD", help="the method the others are compared with, paired by seed "
+                   "(report.reference; default: fedavg when present, else the first method)")
+
+    s = command("ui", cmd_ui)
+    s.add_argument("--study", metavar="NAME", help="the study's name (default: the study of params.yaml + overlays)")
+    s.add_argument("--params", default="params.yaml", metavar="YAML", help="the params file (default: %(default)s)")
+    overlay(s)
+    s.add_argument("--results", default="results", metavar="DIR",
+                   help="the results folder, holding <study>/mlflow_parent.json (default: %(default)s)")
+    s.add_argument("--host", default="127.0.0.1", help="address mlflow ui listens on (default: %(default)s)")
+    s.add_argument("--port", type=int, default=5000, help="port mlflow ui listens on (default: %(default)s)")
+    s.add_argument("--no-serve", action="store_true", help="only print the server command and the links")
     s.add_argument("--browser", action="store_true", help="open the runs link in a browser once the server answers")
-    s.add_argument("--max-compare", type=int, default=100, help="at most this many runs in the compare link")
-    s.set_defaults(fn=cmd_ui)
+    s.add_argument("--max-compare", type=int, default=100, metavar="N",
+                   help="at most this many runs in the compare link (default: %(default)s)")
 
-    s = sub.add_parser("check-params", help="validate params.yaml (+ overlays) and exit")
-    s.add_argument("params", nargs="?", default="params.yaml")
-    s.add_argument("--overlay", action="append", default=[])
-    s.set_defaults(fn=cmd_check_params)
+    s = command("check-params", cmd_check_params)
+    s.add_argument("params", nargs="?", default="params.yaml", help="the params file (default: %(default)s)")
+    overlay(s)
 
-    s = sub.add_parser("doctor", help="check params, data MD5s, MLflow, GPU, DVC and Snakemake state")
-    s.add_argument("params", nargs="?", default="params.yaml")
-    s.add_argument("--overlay", action="append", default=[])
+    s = command("doctor", cmd_doctor)
+    s.add_argument("params", nargs="?", default="params.yaml", help="the params file (default: %(default)s)")
+    overlay(s)
     s.add_argument("--no-pipeline", action="store_true", help="skip the dvc status / snakemake dry-run checks")
-    s.set_defaults(fn=cmd_doctor)
 
-    s = sub.add_parser("sync", help="after git checkout: dvc checkout, then snakemake --touch")
-    s.add_argument("--overlay", action="append", default=[])
-    s.set_defaults(fn=cmd_sync)
+    s = command("sync", cmd_sync)
+    overlay(s)
 
-    s = sub.add_parser("synthetic", help="write a small synthetic data set in the official MedMNIST .npz layout")
-    s.add_argument("--out", required=True)
-    s.add_argument("--num-classes", type=int, default=4)
-    s.add_argument("--n-channels", type=int, default=3)
-    s.add_argument("--size", type=int, default=28)
-    s.add_argument("--train", type=int, default=400)
-    s.add_argument("--val", type=int, default=40)
-    s.add_argument("--test", type=int, default=120)
-    s.add_argument("--seed", type=int, default=0)
-    s.set_defaults(fn=cmd_synthetic)
+    s = command("synthetic", cmd_synthetic)
+    s.add_argument("--out", required=True, metavar="NPZ", help=".npz file to write")
+    s.add_argument("--num-classes", type=int, default=4, metavar="N", help="classes (default: %(default)s)")
+    s.add_argument("--n-channels", type=int, default=3, metavar="N", help="image channels (default: %(default)s)")
+    s.add_argument("--size", type=int, default=28, metavar="PX", help="image side in pixels (default: %(default)s)")
+    s.add_argument("--train", type=int, default=400, metavar="N", help="train images (default: %(default)s)")
+    s.add_argument("--val", type=int, default=40, metavar="N", help="val images (default: %(default)s)")
+    s.add_argument("--test", type=int, default=120, metavar="N", help="test images (default: %(default)s)")
+    s.add_argument("--seed", type=int, default=0, help="generator seed (default: %(default)s)")
     return p
 
 
+def unknown_command(argv: list[str]) -> str | None:
+    """The one-line error for a mistyped command in ``argv``, naming the nearest commands; None if
+    the first non-option word is a command (or there is none: argparse reports that)."""
+    import difflib
+
+    word = next((a for a in argv if not a.startswith("-")), None)
+    names = [*USER_COMMANDS, *STAGE_COMMANDS]
+    if word is None or word in names:
+        return None
+    near = difflib.get_close_matches(word, names, n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(near)}?" if near else f"the commands are {', '.join(names)}"
+    return f"medpfl: error: unknown command {word!r}; {hint} (medpfl --help lists them)"
+
+
 def known_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions ``main`` reports as one ``error:`` line with exit status 2."""
     return (*PROJECT_ERRORS, FileNotFoundError, json.JSONDecodeError)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``medpfl argv`` (default: ``sys.argv[1:]``); return the exit status: 2 for a mistyped
+    command or a known error, else the command's own status (argparse itself exits 2 on bad options)."""
     os.environ.setdefault("DISABLE_PANDERA_IMPORT_WARNING", "True")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if bad := unknown_command(argv):
+        print(bad, file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

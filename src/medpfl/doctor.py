@@ -2,7 +2,8 @@
 Snakemake with DVC after switching versions.
 
 Checks: the params file validates; each data set's raw file is present with the official MD5
-(or a mirror has it, or the network will be needed); the MLflow store answers; a GPU is
+(or a mirror has it, or the network will be needed); the MLflow store answers (a SQLite store
+that does not exist yet is reported missing, never created); a GPU is
 visible (informational); DVC's stages are up to date and Snakemake has nothing to do. Each
 check prints ``ok``, ``warn`` or ``FAIL`` with what to do; the exit status is 1 if any failed.
 """
@@ -70,10 +71,26 @@ def check_data(params, root: Path) -> list[Check]:
     return out
 
 
-def check_mlflow() -> Check:
+def check_mlflow(in_project: bool = True) -> Check:
+    """Does the tracking store (``$MLFLOW_TRACKING_URI``, else ``mlruns.db`` here) answer? A
+    SQLite store that does not exist yet is reported missing and is not created: opening it with
+    MLflow would create the file and its tables (the ``mlflow-init`` stage does that on purpose).
+    ``in_project``: the current folder holds the params file, so the first ``snakemake`` run will
+    create the store here; outside a project a missing store is only reported."""
     from medpfl.tracking import TrackingError, check_reachable, default_tracking_uri
 
     uri = default_tracking_uri()
+    if uri.startswith("sqlite:///"):
+        path = Path(uri[len("sqlite:///"):])
+        if not path.exists():
+            if not path.parent.is_dir():
+                return Check("mlflow", "FAIL", f"{uri}: missing, and its folder {path.parent} does not exist, so "
+                             "mlflow-init cannot create it: create the folder or set MLFLOW_TRACKING_URI")
+            if in_project:
+                return Check("mlflow", "warn", f"{uri}: missing (created by the first `snakemake` run, in its "
+                             "mlflow_init job)")
+            return Check("mlflow", "warn", f"{uri}: missing (no params file here, so this is not a project "
+                         "folder: run `medpfl doctor` in the project)")
     try:
         check_reachable(uri)
         if uri.startswith(("http://", "https://")):
@@ -121,13 +138,15 @@ def check_pipeline(root: Path, overlays: list[str]) -> list[Check]:
 
 
 def doctor(params_file: Path = Path("params.yaml"), overlays: list[str] = (), pipeline: bool = True) -> int:
+    """Run the checks from the current folder, print one line per check, and return 1 if any
+    failed, else 0. It creates no file (a missing MLflow store is reported, not created)."""
     root = Path.cwd()
     checks: list[Check] = []
     c, params = check_params(params_file, list(overlays))
     checks.append(c)
     if params is not None:
         checks += check_data(params, root)
-    checks.append(check_mlflow())
+    checks.append(check_mlflow(in_project=Path(params_file).is_file()))
     checks.append(check_gpu())
     if pipeline and params is not None:
         checks += check_pipeline(root, list(overlays))
