@@ -242,7 +242,7 @@ Before spending hours:
 
 #: (name, one-line help) of the commands a person runs, in the order --help lists them.
 USER_COMMANDS = {
-    "ui": "show a study's runs in the MLflow UI (prints the links, serves mlflow ui)",
+    "ui": "compare a study's methods in the MLflow UI (prints its links: methods, table, runs, compare; serves mlflow ui)",
     "check-params": "validate params.yaml (+ overlays) and exit",
     "doctor": "check params, data MD5s, MLflow store, GPU, DVC and Snakemake state",
     "sync": "after git checkout: dvc checkout, then snakemake --touch",
