@@ -152,7 +152,7 @@ def test_job_json_mlflow_and_metrics_carry_the_environment(job_dir):
     assert tags["env.id"] == env["id"] and tags["env.cpu_model"] == env["cpu_model"]
     assert tags["env.torch_version"] == torch.__version__ and tags["env.deterministic_algorithms"] == "False"
     # run names and tags group by study, dataset, partition, method and seed
-    assert run.info.run_name == "fedavg s1 synth/p"  # method first: the UI cuts long names from the right
+    assert run.info.run_name == "synth/p/fedavg/seed1"  # the evaluate stage names it method first (below)
     assert {k: tags[k] for k in ("study", "dataset", "partition", "method", "seed", "medpfl.role")} == {
         "study": "envs", "dataset": "synth", "partition": "p", "method": "fedavg", "seed": "1",
         "medpfl.role": "training"}
@@ -163,6 +163,7 @@ def test_job_json_mlflow_and_metrics_carry_the_environment(job_dir):
     assert m["environment"] == env
     # the FedKPer-paper summary metrics are on the child run
     metrics = client.get_run(run_id).data.metrics
+    assert client.get_run(run_id).info.run_name == "fedavg s1 synth/p"  # method first: the UI cuts from the right
     assert set(PAPER_SUMMARY) <= set(metrics)
     assert metrics["avg_global_acc"] == round_significant(m["summary"]["avg_global_acc"])  # 4 significant digits
 

@@ -105,9 +105,12 @@ def evaluate_run(run_dir: Path) -> dict:
     write_json(run_dir / "metrics.json", {**meta, "mlflow_run_id": run_id, "global_test": global_test, **privacy,
                                           "summary": summary, **env})
     if run_id is not None:
-        from medpfl.tracking import RunLogger
+        from medpfl.tracking import RunLogger, run_name
 
         lg = RunLogger.reopen(run_file)
+        # method first (the UI cuts long names from the right); set here rather than at training, so
+        # that the name's form stays out of the training stage's code hash
+        lg.rename(run_name(job["method"], job["seed"], job["dataset"], job["partition"]))
         lg.set_tags({"global_test": global_test, **privacy})
         lg.log_metrics({k: v for k, v in summary.items() if isinstance(v, (int, float))})
         for _, row in per.iterrows():

@@ -466,6 +466,10 @@ class RunLogger:
         for i in range(0, len(ms), 500):
             retry(self.client.log_batch, self.run_id, metrics=ms[i:i + 500])
 
+    def rename(self, name: str) -> None:
+        """Give the run a new name (MLflow's ``mlflow.runName`` tag, as the UI shows it)."""
+        retry(self.client.update_run, self.run_id, name=name)
+
     def set_tags(self, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag
 

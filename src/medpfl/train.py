@@ -137,11 +137,11 @@ def run_training(job: dict, arrays: Path, samples: Path, partition_table: Path, 
 
     logger = None
     if parent_file is not None:
-        from medpfl.tracking import RunLogger, run_name
+        from medpfl.tracking import RunLogger
 
-        # the name starts with the method (the UI cuts long names from the right); the tags let the
-        # MLflow UI group and filter by each of dataset, partition, method and seed
-        name = run_name(job["method"], job["seed"], job["dataset"], job["partition"])
+        # the name follows the run folder (dataset/partition/method/seed); the tags let the MLflow
+        # UI group and filter by each of them
+        name = f"{job['dataset']}/{job['partition']}/{job['method']}/seed{job['seed']}"
         tags = {"method": job["method"], "algorithm": job["algorithm"], "dataset": job["dataset"],
                 "partition": job["partition"], "seed": str(job["seed"]), "study": job["study"],
                 "device": str(device), "num_clients": str(k), "partition_md5": md5sum(partition_table),
