@@ -221,7 +221,10 @@ def restore(study: str, results: Path, configfiles: list[str], cores: int,
     if not current:
         print(dry.stdout + dry.stderr)
         print("study_archive: Snakemake would re-run some restored runs (their params or code "
-              "changed since they were archived; reasons above)", file=sys.stderr)
+              "changed since they were archived; reasons above). A study trained from a worktree pinned at "
+              "an older commit is such a case: to evaluate and report the archived runs as they were "
+              "trained, without training again, add `--rerun-triggers mtime input` to snakemake "
+              "(docs/studies.md, \"Archived runs of an older commit\")", file=sys.stderr)
     print(f"study_archive: {len(targets)} run(s) restored into {runs}")
     return current
 
