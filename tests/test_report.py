@@ -445,18 +445,19 @@ def test_variance_sentence_follows_the_runs_sampling(runs: list[Path], tmp_path:
         _write_job(r, {"scheme": "seed_round", "seed": None})
     got = notes("seeded")
     assert len(got) == 3  # Table 1, plain summary, paired comparison
-    assert all("client sampling (train.sampling.scheme seed_round" in n and "not the partition" in n for n in got)
+    assert all("client sampling (train.sampling.scheme seed_round" in n and "do not cover the partition" in n
+               for n in got)
     assert "same clients" in got[2]  # the paired sentence says pairing shares the schedule
 
     for r in runs:
         _write_job(r, {"scheme": "round_seeded", "seed": None})
     got = notes("fixed")
-    assert all("cover the training seed's model initialisation and clients' batch order; not client sampling "
-               "(train.sampling.scheme round_seeded" in n for n in got)
+    assert all("cover the training seed's model initialisation and clients' batch order. They do not cover client "
+               "sampling (train.sampling.scheme round_seeded" in n for n in got)
 
     for r in runs:  # a job.json from before train.sampling existed: the old default, round_seeded
         _write_job(r, None)
-    assert "not client sampling (train.sampling.scheme round_seeded" in notes("old")[0]
+    assert "do not cover client sampling (train.sampling.scheme round_seeded" in notes("old")[0]
 
     _write_job(runs[0], {"scheme": "stream", "seed": None})  # fedavg seed 1 differs: mixed
     assert "fedavg: the client schedule varies with the seed (stream)" in notes("mixed")[0]

@@ -405,16 +405,16 @@ def variance_note(runs: list[Run], paired: bool = False) -> str:
                       "schedule of which clients train in which round")
             covers += (", the same for every method of that seed, so a paired difference compares methods on the same "
                        "clients" if paired else ", shared by every method of that seed") + ")"
-            leaves = "the partition and the data, fixed across seeds"
+            leaves = "the partition or the data (fixed across seeds)"
         elif how == "fixed":
             covers = seed_part
             leaves = (f"client sampling (train.sampling.scheme {scheme}: every seed and method trains the same clients "
-                      "in the same rounds), the partition and the data, fixed across seeds")
+                      "in the same rounds), the partition or the data (fixed across seeds)")
         else:
             covers = seed_part
-            leaves = ("the partition and the data, fixed across seeds; whether client sampling is in them is not "
+            leaves = ("the partition or the data (fixed across seeds); whether they cover client sampling is not "
                       "recorded (no job.json beside these runs' metrics.json)")
-        return f"Sources of variance: these intervals cover {covers}; not {leaves}."
+        return f"Sources of variance: these intervals cover {covers}. They do not cover {leaves}."
     parts = []
     for kind, methods in kinds.items():
         how, _, scheme = kind.partition(":")
