@@ -482,3 +482,38 @@ def test_html_tables_scroll_with_a_fixed_first_column(runs: list[Path], tmp_path
     assert re.search(r"th:first-child \{[^}]*position: sticky; left: 0", css)
     assert re.search(r"table\.report th \{[^}]*white-space: normal", css)
     assert re.search(r"body \{[^}]*max-width: 1500px", css)
+
+
+def _chromium() -> str | None:
+    import shutil
+
+    return next((p for p in (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")) if p), None)
+
+
+def test_html_page_fits_a_1600_px_window_in_a_browser(runs: list[Path], tmp_path: Path) -> None:
+    """Laid out by a real browser (headless Chromium, where installed): the page is no wider than
+    a 1,600 px window, and a table wider than its block scrolls inside it with the method column
+    still in view."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    exe = _chromium()
+    if exe is None:
+        pytest.skip("no Chromium to lay the page out")
+    page_path = build_report(runs, tmp_path / "report")["table_html"]
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=exe, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1600, "height": 1000})
+            page.goto(page_path.as_uri())
+            assert page.evaluate("document.documentElement.scrollWidth") <= 1600
+            blocks = page.evaluate("[...document.querySelectorAll('div.scroll')].map(d => [d.clientWidth, d.scrollWidth])")
+            assert blocks and all(client <= 1500 for client, _ in blocks)
+            wide = [i for i, (client, scroll) in enumerate(blocks) if scroll > client]
+            for i in wide:  # scrolled to its right end, the first column stays at the block's left edge
+                left = page.evaluate(
+                    "i => { const d = document.querySelectorAll('div.scroll')[i]; d.scrollLeft = d.scrollWidth; "
+                    "const c = d.querySelector('tbody td'); "
+                    "return [c.getBoundingClientRect().left, d.getBoundingClientRect().left, d.scrollLeft]; }", i)
+                assert left[2] > 0  # it did scroll
+                assert abs(left[0] - left[1]) <= 1
+        finally:
+            browser.close()
