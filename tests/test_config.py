@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -328,6 +329,35 @@ def test_table1_study_overlays_resolve():
     cpu = load_params(PARAMS, [REPO / "config" / "fedkper-table1.yaml", REPO / "config" / "fedkper-table1-cpu.yaml"])
     assert cpu.dataset_partitions() == [("bloodmnist", "fedkper-dir0.1")] and cpu.seeds == [1, 2, 3]
     assert cpu.report.paper_table == "config/papers/fedkper-table1.yaml"
+
+
+#: The client schedule every study in config/ was run with (its authors' or the code's): none may
+#: take the default study's seed_round from params.yaml by leaving train.sampling out.
+STUDY_SCHEMES = {"fedkper": "round_seeded", "fhbench": "round_seeded", "fedmic": "stream", "pfedkd": "stream",
+                 "pfpslwc": "stream"}
+
+
+def _overlay_chain(path: Path) -> list[Path]:
+    """The overlays a study file's header runs it with (``--configfile A B``), else the file alone."""
+    for line in path.read_text().splitlines():
+        m = re.search(r"--configfile ((?:config/\S+\.yaml ?)+)", line)
+        if m and path.name in m.group(1):
+            return [REPO / f for f in m.group(1).split()]
+    return [path]
+
+
+def test_default_study_samples_clients_per_seed():
+    assert load_params(PARAMS).train.sampling.scheme == "seed_round"
+    assert validate_params({}).train.sampling.scheme == "round_seeded"  # the key's default is unchanged
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "config").glob("*.yaml")), ids=lambda p: p.name)
+def test_paper_studies_keep_their_client_schedule(path):
+    p = load_params(PARAMS, _overlay_chain(path))
+    family = path.name.split("-")[0]
+    assert p.train.sampling.scheme == STUDY_SCHEMES[family] and p.train.sampling.seed is None
+    for m in p.methods:  # no method variant changes it either
+        assert p.method_train(m).sampling.scheme == STUDY_SCHEMES[family]
 
 
 def test_method_train_overrides_apply_to_that_method_only(base):

@@ -34,6 +34,39 @@ def test_stream_schedule_is_seeded_and_distinct_within_round():
     assert client_schedule(7, 0.01, 3).shape == (3, 1)  # at least one client
 
 
+def test_stream_schedule_is_unchanged():
+    # the first rounds of seed 1 as drawn before seed_round existed: stream schedules stay bit-identical
+    np.testing.assert_array_equal(client_schedule(20, 0.1, 5, "stream", seed=1),
+                                  [[8, 10], [0, 18], [18, 15], [17, 5], [16, 5]])
+
+
+def test_seed_round_schedule_varies_with_seed_only():
+    a = client_schedule(20, 0.1, 30, "seed_round", seed=1)
+    assert a.shape == (30, 2) and all(len(set(r)) == 2 for r in a.tolist())
+    np.testing.assert_array_equal(a, client_schedule(20, 0.1, 30, "seed_round", seed=1))
+    b = client_schedule(20, 0.1, 30, "seed_round", seed=2)
+    assert not np.array_equal(a, b)
+    assert not np.array_equal(a, client_schedule(20, 0.1, 30, "round_seeded"))
+    # round r's clients do not depend on how many rounds are drawn
+    np.testing.assert_array_equal(client_schedule(20, 0.1, 10, "seed_round", seed=2), b[:10])
+    with pytest.raises(ValueError, match="train.sampling.scheme.*seed_round"):
+        client_schedule(20, 0.1, 3, "seed_rounds")
+
+
+def test_seed_round_schedule_is_shared_by_methods_of_one_seed(fed_data):
+    from medpfl.config import SamplingConfig
+
+    def schedule(method, seed):
+        train = TrainConfig(rounds=6, participation=0.4, local_epochs=1, batch_size=16, model="cnn4",
+                            sampling=SamplingConfig(scheme="seed_round"))
+        return Engine(make_algo(method), fed_data, train, EvalConfig(), seed=seed, executor_kind="sequential",
+                      fingerprint="test").schedule
+
+    np.testing.assert_array_equal(schedule("fedavg", 1), schedule("fedkper", 1))
+    np.testing.assert_array_equal(schedule("local", 1), schedule("fedavg", 1))
+    assert not np.array_equal(schedule("fedavg", 1), schedule("fedavg", 2))
+
+
 def test_train_plan_covers_every_sample_once_per_epoch():
     plan = phase_plan(27, 10, 3, 1, 4, 2, Phase())
     assert plan.shape == (9, 10)

@@ -19,6 +19,7 @@ from medpfl.metrics import (
     consistency,
     inter_peak_forgetting_rates,
     summarize_run,
+    worst_client,
 )
 
 approx = pytest.approx
@@ -242,6 +243,9 @@ def test_summarize_run_personalized_method_deploys_personalized_model():
     _, s = summarize_run(_records(personalized=True), _rounds(SAMPLED), 3, has_global_model=True, personalized=True)
     # last round of personalized_on_local, not the global model's 0.5 and not an earlier round's 0.1/0.2
     assert s["final_client_acc_worst"] == approx(0.3)
+    # named: client 1 (0.3 in the last round), with its local test size
+    assert (s["final_client_acc_worst_client"], s["final_client_acc_worst_ties"]) == (1, 1)
+    assert s["final_client_acc_worst_test_size"] == 100
     assert s["final_client_acc_mean"] == approx(0.6)
     assert s["avg_global_acc"] == approx(0.6)
 
@@ -257,6 +261,14 @@ def test_final_pooled_client_accuracy_weights_clients_by_test_size():
     _, s = summarize_run(rec, _rounds(["0"]), 3, has_global_model=True, personalized=True)
     assert s["final_client_acc_pooled"] == approx(0.36)
     assert s["final_client_acc_mean"] == approx(1.6 / 3)
+    assert (s["final_client_acc_worst_client"], s["final_client_acc_worst_test_size"]) == (2, 600)
+
+
+def test_worst_client_ties_and_no_values():
+    f = pd.DataFrame({"client_id": [4, 2, 7], "accuracy": [0.0, 0.0, 0.5], "n_samples": [9, 34, 5]})
+    assert worst_client(f) == {"final_client_acc_worst_client": 2, "final_client_acc_worst_test_size": 34,
+                               "final_client_acc_worst_ties": 2}
+    assert all(np.isnan(v) for v in worst_client(f.iloc[:0]).values())
 
 
 def test_deployed_accuracy_per_round_and_over_the_last_rounds():

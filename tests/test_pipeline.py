@@ -132,6 +132,12 @@ def test_html_report(study, tmp_path):
     assert html.stat().st_size > 10_000 and "<html" in text.lower()
     for name in ("table.md", "curves.png", "heatmap.png"):
         assert name in text, f"{name} is not in the Snakemake report"
+    # results first: the "Results" category sorts before "Study setup" (the menu's order), every
+    # file in a subcategory, and the landing text points there
+    cats = json.loads(re.search(r"var categories = (\{.*?\});", text).group(1))
+    assert sorted(cats) == ["Results", "Study setup"]
+    assert {k: sorted(v) for k, v in cats.items()} == {"Results": ["Figures", "Tables"], "Study setup": ["Partitions"]}
+    assert "Results first:" in text
 
 
 def test_lint(study):

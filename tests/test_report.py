@@ -44,6 +44,11 @@ def _summary(method: str, seed: int) -> dict:
     s["mb_per_round"] = round(1.5 * seed, 6)
     s["rounds"], s["num_clients"], s["last_round"] = ROUNDS, 4, ROUNDS - 1
     s["clients_never_trained"] = seed if method == "fedavg" else 0  # differs between fedavg's seeds
+    # the final worst client: fedavg's differs between seeds; fedkper's is client 7 with 34 test
+    # samples, tied with two more clients at seed 2; local's is client 0
+    s["final_client_acc_worst_client"] = {"fedavg": seed + 2, "fedkper": 7, "local": 0}[method]
+    s["final_client_acc_worst_test_size"] = {"fedavg": 30 + seed, "fedkper": 34, "local": 12}[method]
+    s["final_client_acc_worst_ties"] = 3 if (method, seed) == ("fedkper", 2) else 1
     if method == "local":
         for k in GLOBAL_KEYS:
             s[k] = None
@@ -82,7 +87,8 @@ def _rows(md: str, heading: str) -> dict[str, list[str]]:
     rows = {}
     for line in block.splitlines():
         if line.startswith("|") and not set(line) <= set("|-: "):
-            cells = [c.strip() for c in line.strip("|").split("|")]
+            # bold (the best of a column) is left out here and tested in test_best_value_per_column_is_bold
+            cells = [c.strip().removeprefix("**").removesuffix("**") for c in line.strip("|").split("|")]
             rows[cells[0]] = cells[1:]
     return rows
 
@@ -187,17 +193,17 @@ def test_plain_table(runs: list[Path], tmp_path: Path) -> None:
     md = build_report(runs, tmp_path / "report")["table_md"].read_text(encoding="utf-8")
     assert "### Plain summary (mean ± 95 % CI over seeds)" in md
     rows = _rows(md, "Plain summary")
-    assert rows["Strategy"][:3] == ["seeds", "rounds", "Final Global Acc"]
+    assert rows["Strategy"][:3] == ["seeds", "rounds", "Final Global Acc ↑"]
     cells = rows["fedavg"]
     s = [_summary("fedavg", seed) for seed in (1, 2)]
     assert cells[:2] == ["2", str(ROUNDS)]
     assert cells[2] == _ci([x["final_global_acc"] for x in s])
-    mb = rows["Strategy"].index("MB per round")
+    mb = rows["Strategy"].index("MB per round ↓")
     assert cells[mb] == _ci([x["mb_per_round"] for x in s], nd=2)
     assert cells[mb] == "2.25 ± 9.53"  # 1.5 / 3.0: sem 0.75 x t(0.975, 1) 12.706
     assert rows["local"][2] == "—"
     # the FHBench-protocol column is shown because these runs have a value for it
-    assert "Test acc at best-val round (FHBench protocol)" in rows["Strategy"]
+    assert "Test acc at best-val round (FHBench protocol) ↑" in rows["Strategy"]
     # clients no round trained, of K = 4: a range where the seeds differ
     never = rows["Strategy"].index("Clients never trained")
     assert cells[never] == "1–2 of 4" and rows["fedkper"][never] == "0 of 4"
@@ -368,3 +374,146 @@ def test_all_nan_seed_values_are_null(tmp_path: Path) -> None:
     assert json.loads(paths["summary_json"].read_text())["bloodmnist"]["dir0.1"]["fedavg"]["global_consistency"] is None
     cells = _table1_rows(paths["table_md"].read_text(encoding="utf-8"))["fedavg"]
     assert cells[_t1_index("global_consistency")] == "—"
+
+
+def test_best_value_per_column_is_bold(runs: list[Path], tmp_path: Path) -> None:
+    """The best mean of a column with a direction is bold in table.md and <strong> in table.html;
+    ties at the printed precision are all bold; no bold where all are equal or one has a value."""
+    from medpfl.report.tables import mark_best
+
+    t = pd.DataFrame({"Strategy": ["a", "b", "c"], "Acc ↑": ["0.50", "0.70", "0.70"], "MB ↓": ["3", "1", "2"],
+                      "Count": ["1", "5", "9"], "Same ↑": ["1", "1", "1"], "Lone ↑": ["0.1", "—", "—"]})
+    means = pd.DataFrame({"Acc ↑": [0.5, 0.7001, 0.6999], "MB ↓": [3.0, 1.0, 2.0], "Count": [1, 5, 9],
+                          "Same ↑": [1.0, 1.0, 1.0], "Lone ↑": [0.1, None, None]})
+    out = mark_best(t, means, {"Acc ↑": 3, "MB ↓": 0, "Count": 0, "Same ↑": 0, "Lone ↑": 1})
+    assert out["Acc ↑"].tolist() == ["0.50", "**0.70**", "**0.70**"]  # 0.700 and 0.700 as printed
+    assert out["MB ↓"].tolist() == ["3", "**1**", "2"]
+    assert out["Count"].tolist() == t["Count"].tolist()  # no direction: never marked
+    assert out["Same ↑"].tolist() == t["Same ↑"].tolist() and out["Lone ↑"].tolist() == t["Lone ↑"].tolist()
+
+    paths = build_report(runs, tmp_path / "report")
+    md = paths["table_md"].read_text(encoding="utf-8")
+    t1 = md.split("### Table 1")[1].split("###")[0]
+    # fedkper has the highest Avg Global Acc (0.63 vs fedavg's 0.43; local has none)
+    fk = next(line for line in t1.splitlines() if line.startswith("| fedkper"))
+    fa = next(line for line in t1.splitlines() if line.startswith("| fedavg"))
+    assert f"**{_ci([_summary('fedkper', s)['avg_global_acc'] for s in (1, 2)])}**" in fk
+    assert "**" not in fa.split("|")[4]
+    # MB per round is equal for every method: nothing bold in that column
+    plain = md.split("### Plain summary")[1].split("###")[0].splitlines()
+    head = [c.strip() for c in plain[2].strip("|").split("|")]
+    mb = head.index("MB per round ↓")
+    assert not any("**" in line.strip("|").split("|")[mb] for line in plain[4:] if line.startswith("| "))
+    page = paths["table_html"].read_text(encoding="utf-8")
+    assert f"<strong>{_ci([_summary('fedkper', s)['avg_global_acc'] for s in (1, 2)])}</strong>" in page
+    assert "**" not in page
+
+
+def test_worst_client_named(runs: list[Path], tmp_path: Path) -> None:
+    """The plain table names the final worst client beside its accuracy: id and local test size,
+    one per seed where seeds differ, and how many clients tie."""
+    md = build_report(runs, tmp_path / "report")["table_md"].read_text(encoding="utf-8")
+    rows = _rows(md, "Plain summary")
+    head = rows["Strategy"]
+    i = head.index("Final worst client: id (local test samples)")
+    assert head[i - 1] == "Final worst client acc (all clients) ↑"  # right beside the accuracy
+    assert rows["fedavg"][i] == "3 (31) / 4 (32)"  # seeds 1 and 2 name different clients
+    assert rows["fedkper"][i] == "7 (34), up to 3 tied"
+    assert rows["local"][i] == "0 (12)"
+    for run in runs:  # runs evaluated before the keys existed: no column
+        m = json.loads((run / "metrics.json").read_text())
+        for k in ("final_client_acc_worst_client", "final_client_acc_worst_test_size", "final_client_acc_worst_ties"):
+            m["summary"].pop(k)
+        (run / "metrics.json").write_text(json.dumps(m))
+    md2 = build_report(runs, tmp_path / "report2")["table_md"].read_text(encoding="utf-8")
+    assert "Final worst client: id (local test samples)" not in _rows(md2, "Plain summary")["Strategy"]
+
+
+def _write_job(run: Path, sampling: dict | None) -> None:
+    train = {"rounds": ROUNDS} if sampling is None else {"rounds": ROUNDS, "sampling": sampling}
+    (run / "job.json").write_text(json.dumps({"method": run.parent.name, "train": train}))
+
+
+def test_variance_sentence_follows_the_runs_sampling(runs: list[Path], tmp_path: Path) -> None:
+    """Under each interval table, one sentence names the sources of variance the intervals cover,
+    read from the runs' job.json train.sampling."""
+    def notes(out: str) -> list[str]:
+        md = build_report(runs, tmp_path / out)["table_md"].read_text(encoding="utf-8")
+        return [line for line in md.splitlines() if line.startswith("Sources of variance")]
+
+    for r in runs:
+        _write_job(r, {"scheme": "seed_round", "seed": None})
+    got = notes("seeded")
+    assert len(got) == 3  # Table 1, plain summary, paired comparison
+    assert all("client sampling (train.sampling.scheme seed_round" in n and "do not cover the partition" in n
+               for n in got)
+    assert "same clients" in got[2]  # the paired sentence says pairing shares the schedule
+
+    for r in runs:
+        _write_job(r, {"scheme": "round_seeded", "seed": None})
+    got = notes("fixed")
+    assert all("cover the training seed's model initialisation and clients' batch order. They do not cover client "
+               "sampling (train.sampling.scheme round_seeded" in n for n in got)
+
+    for r in runs:  # a job.json from before train.sampling existed: the old default, round_seeded
+        _write_job(r, None)
+    assert "do not cover client sampling (train.sampling.scheme round_seeded" in notes("old")[0]
+
+    _write_job(runs[0], {"scheme": "stream", "seed": None})  # fedavg seed 1 differs: mixed
+    assert "fedavg: the client schedule varies with the seed (stream)" in notes("mixed")[0]
+
+    for r in runs:
+        (r / "job.json").unlink()
+    assert "not recorded (no job.json" in notes("unknown")[0]
+
+    (runs[0] / "job.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"job\.json: expected a JSON object"):
+        build_report(runs, tmp_path / "bad")
+
+
+def test_html_tables_scroll_with_a_fixed_first_column(runs: list[Path], tmp_path: Path) -> None:
+    """Every table of table.html sits in a horizontally scrolling block whose first column stays
+    in view, with wrapping headers, and the page is at most 1500 px wide (a 1,600 px window)."""
+    page = build_report(runs, tmp_path / "report")["table_html"].read_text(encoding="utf-8")
+    tables = page.count("<table")
+    assert tables >= 5 and page.count('<div class="scroll">\n<table') == tables
+    css = page.split("<style>")[1].split("</style>")[0]
+    assert re.search(r"div\.scroll \{[^}]*overflow-x: auto", css)
+    assert re.search(r"th:first-child \{[^}]*position: sticky; left: 0", css)
+    assert re.search(r"table\.report th \{[^}]*white-space: normal", css)
+    assert re.search(r"body \{[^}]*max-width: 1500px", css)
+
+
+def _chromium() -> str | None:
+    import shutil
+
+    return next((p for p in (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")) if p), None)
+
+
+def test_html_page_fits_a_1600_px_window_in_a_browser(runs: list[Path], tmp_path: Path) -> None:
+    """Laid out by a real browser (headless Chromium, where installed): the page is no wider than
+    a 1,600 px window, and a table wider than its block scrolls inside it with the method column
+    still in view."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    exe = _chromium()
+    if exe is None:
+        pytest.skip("no Chromium to lay the page out")
+    page_path = build_report(runs, tmp_path / "report")["table_html"]
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=exe, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1600, "height": 1000})
+            page.goto(page_path.as_uri())
+            assert page.evaluate("document.documentElement.scrollWidth") <= 1600
+            blocks = page.evaluate("[...document.querySelectorAll('div.scroll')].map(d => [d.clientWidth, d.scrollWidth])")
+            assert blocks and all(client <= 1500 for client, _ in blocks)
+            wide = [i for i, (client, scroll) in enumerate(blocks) if scroll > client]
+            for i in wide:  # scrolled to its right end, the first column stays at the block's left edge
+                left = page.evaluate(
+                    "i => { const d = document.querySelectorAll('div.scroll')[i]; d.scrollLeft = d.scrollWidth; "
+                    "const c = d.querySelector('tbody td'); "
+                    "return [c.getBoundingClientRect().left, d.getBoundingClientRect().left, d.scrollLeft]; }", i)
+                assert left[2] > 0  # it did scroll
+                assert abs(left[0] - left[1]) <= 1
+        finally:
+            browser.close()

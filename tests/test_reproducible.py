@@ -136,6 +136,40 @@ def test_figure_names_medmnist_classes():
         plt.close(fig)
 
 
+def test_heatmap_shows_client_totals_and_spells_out_the_scheme(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    from medpfl.report import partition_figure as pf
+
+    counts = {**COUNTS, "2": {"train": [0, 0, 3], "test": [0, 0, 1], "val": [1, 0, 0]}}
+    assert pf.client_totals(counts) == {"0": 9, "1": 10, "2": 5}  # val counts where a partition has it
+    with figure_style():
+        fig = heatmap_figure(counts, 3, None, title="t")
+    try:
+        ax = fig.axes[0]
+        assert [t.get_text() for t in ax.get_yticklabels()] == ["0 (9)", "1 (10)", "2 (5)"]
+        assert ax.get_ylabel() == "client (samples in all)"
+    finally:
+        plt.close(fig)
+    stats = {"dataset": "bloodmnist", "partition": "dir0.1", "num_classes": 3, "clients": counts,
+             "config": {"scheme": "dirichlet", "alpha": 0.1, "num_clients": 3}}
+    assert pf.partition_title(stats) == ("bloodmnist / dir0.1: Dirichlet label skew, α = 0.1\n"
+                                         "3 clients, 24 samples (5–10 per client)\n"
+                                         "samples per class and client (local train + test)")
+    assert pf.describe_partition({"scheme": "iid"}) == "IID"
+    assert pf.describe_partition({"scheme": "pathological", "classes_per_client": 2}) == \
+        "pathological, 2 classes per client"
+    assert pf.describe_partition({"scheme": "per_client_dirichlet", "alpha": 0.05}) == "per client dirichlet, α = 0.05"
+    # the CLI (the partition_figure rule) titles the figure from client_stats.json
+    seen = {}
+    monkeypatch.setattr(pf, "partition_heatmap", lambda *a, **k: seen.update(k))
+    from medpfl.cli import main
+
+    (tmp_path / "client_stats.json").write_text(json.dumps(stats))
+    main(["partition-figure", "--stats", str(tmp_path / "client_stats.json"), "--out", str(tmp_path / "h.png")])
+    assert seen["title"] == pf.partition_title(stats)
+
+
 def test_class_names_travel_from_preprocess_to_client_stats(tmp_path):
     from medpfl.cli import main
 

@@ -86,11 +86,11 @@ def cmd_partition(a) -> None:
 
 def cmd_partition_figure(a) -> None:
     from medpfl.io import read_json
-    from medpfl.report.partition_figure import partition_heatmap
+    from medpfl.report.partition_figure import partition_heatmap, partition_title
 
     stats = read_json(a.stats)
     partition_heatmap(stats["clients"], stats["num_classes"], Path(a.out), class_names=stats.get("class_names"),
-                      title=f"{stats['dataset']} / {stats['partition']}: samples per class and client")
+                      title=partition_title(stats))
     print(f"{stats['dataset']}/{stats['partition']}: {a.out}")
 
 

@@ -703,12 +703,20 @@ class SamplingConfig(_Strict):
     """Which clients take part in each round; pre-sampled once and shared by every method.
 
     ``round_seeded``: ``RandomState(round).choice(K, m, replace=False)``, as in the FedKPer and
-    FedNTD code: the same schedule for every seed and method.
-    ``stream``: one ``numpy.random.default_rng(seed)`` stream for all rounds (FL-bench style);
-    ``seed`` defaults to the run seed.
+    FedNTD code: the same schedule for every seed and method, so an interval over seeds leaves
+    out the variance of client sampling (the paper studies keep it, as their authors did).
+    ``seed_round``: round r of seed s draws from a generator seeded by (s, r)
+    (:func:`medpfl.fl.sampling.client_schedule`): the schedule varies with the training seed, so
+    intervals over seeds include client-sampling variance, and is shared by every method of one
+    seed, so comparisons paired by seed stay paired (the default study's scheme).
+    ``stream``: one ``numpy.random.default_rng(seed)`` stream for all rounds (FL-bench style).
+    ``seed``: for ``seed_round`` and ``stream``, a fixed seed for the schedule instead of the
+    run seed (then every seed shares one schedule); ``round_seeded`` ignores it.
+    The key's default stays ``round_seeded``; ``params.yaml`` sets ``seed_round``, so an overlay
+    that keeps an author's schedule names its scheme.
     """
 
-    scheme: Literal["round_seeded", "stream"] = "round_seeded"
+    scheme: Literal["round_seeded", "seed_round", "stream"] = "round_seeded"
     seed: int | None = None
 
 

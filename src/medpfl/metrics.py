@@ -133,6 +133,21 @@ def best_val_summary(records: pd.DataFrame) -> dict[str, float]:
     return {"best_val_client_acc": _nanstat(np.mean, accs), "best_val_client_acc_worst": _nanstat(np.min, accs)}
 
 
+def worst_client(final: pd.DataFrame) -> dict[str, float]:
+    """Who the worst client of the deployed models is, from one round's per-client records
+    (``client_id``, ``accuracy``, ``n_samples``): ``final_client_acc_worst_client`` (its id; the
+    lowest id among ties), ``final_client_acc_worst_test_size`` (its local test samples) and
+    ``final_client_acc_worst_ties`` (how many clients share the lowest accuracy); NaN for each
+    without a finite accuracy."""
+    keys = ("final_client_acc_worst_client", "final_client_acc_worst_test_size", "final_client_acc_worst_ties")
+    f = final[np.isfinite(final["accuracy"].to_numpy(dtype=float))] if len(final) else final
+    if not len(f):
+        return dict.fromkeys(keys, float("nan"))
+    low = f[f["accuracy"] == f["accuracy"].min()].sort_values("client_id")
+    first = low.iloc[0]
+    return dict(zip(keys, (int(first["client_id"]), int(first["n_samples"]), int(len(low)))))
+
+
 def summarize_run(records: pd.DataFrame, rounds: pd.DataFrame, num_clients: int, has_global_model: bool,
                   personalized: bool) -> tuple[pd.DataFrame, dict]:
     """Per-round metrics and the run summary from a training job's tables.
@@ -140,7 +155,8 @@ def summarize_run(records: pd.DataFrame, rounds: pd.DataFrame, num_clients: int,
     records: :class:`medpfl.data.schemas.EvalRecords`; rounds: :class:`RoundLog`.
     Returns ``(per_round, summary)``. The paper-convention summaries (protocol Section 4.2)
     average over rounds with the std over rounds; the plain ones a user expects (final
-    round, worst over all clients) are reported beside them under their own names.
+    round, worst over all clients) are reported beside them under their own names; the worst
+    client of the final round is named (:func:`worst_client`).
     """
     rounds = rounds.sort_values("round").reset_index(drop=True)
     r_all = rounds["round"].to_numpy()
@@ -243,6 +259,7 @@ def summarize_run(records: pd.DataFrame, rounds: pd.DataFrame, num_clients: int,
     final = deploy[deploy["round"] == deploy["round"].max()] if len(deploy) else deploy
     s["final_client_acc_mean"] = _nanstat(np.mean, final["accuracy"]) if len(final) else float("nan")
     s["final_client_acc_worst"] = _nanstat(np.min, final["accuracy"]) if len(final) else float("nan")
+    s.update(worst_client(final))
     s["final_client_bal_acc_mean"] = _nanstat(np.mean, final["balanced_accuracy"]) if len(final) else float("nan")
     # Pooled over clients: total correct / total tested (the PFPS-LWC paper's "top-1 accuracy",
     # spec B.4), which weights clients by their test-split size.

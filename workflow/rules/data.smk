@@ -64,8 +64,9 @@ rule partition_figure:
         report(
             "data/figures/{dataset}/{partition}/heatmap.png",
             caption="../report/partition.rst",
-            category="Partitions",
-            labels={"dataset": "{dataset}", "partition": "{partition}"},
+            category="Study setup",
+            subcategory="Partitions",
+            labels={"dataset": "{dataset}", "partition": "{partition}", "figure": "samples per class and client"},
         ),
     params:
         code=code_hash("report/partition_figure.py"),

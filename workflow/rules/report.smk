@@ -10,13 +10,39 @@ rule report:
         figures=partition_figures(),
         parent=ancient("results/{study}/mlflow_parent.json"),
         paper=[PARAMS.report.paper_table] if PARAMS.report.paper_table else [],
+    # In Snakemake's report (snakemake --report): category "Results" (sorted before "Study setup"),
+    # one caption and labels per file; workflow/report/workflow.rst links to each.
     output:
-        table=report("results/{study}/report/table.md", caption="../report/table.rst", category="Results"),
-        html=report("results/{study}/report/table.html", caption="../report/table.rst", category="Results"),
+        table=report(
+            "results/{study}/report/table.md",
+            caption="../report/table.rst",
+            category="Results",
+            subcategory="Tables",
+            labels={"study": "{study}", "result": "all tables", "format": "Markdown"},
+        ),
+        html=report(
+            "results/{study}/report/table.html",
+            caption="../report/table.rst",
+            category="Results",
+            subcategory="Tables",
+            labels={"study": "{study}", "result": "all tables and figures", "format": "HTML page"},
+        ),
         summary="results/{study}/report/summary.csv",
         metrics="results/{study}/report/summary.json",
-        paired="results/{study}/report/paired.csv",
-        curves=report("results/{study}/report/curves.png", caption="../report/curves.rst", category="Results"),
+        paired=report(
+            "results/{study}/report/paired.csv",
+            caption="../report/paired.rst",
+            category="Results",
+            subcategory="Tables",
+            labels={"study": "{study}", "result": "paired comparison", "format": "CSV"},
+        ),
+        curves=report(
+            "results/{study}/report/curves.png",
+            caption="../report/curves.rst",
+            category="Results",
+            subcategory="Figures",
+            labels={"study": "{study}", "result": "accuracy per round", "format": "PNG"},
+        ),
     params:
         runs=run_dirs(),
         study=study_json,

@@ -29,20 +29,27 @@ def client_schedule(num_clients: int, participation: float, rounds: int, scheme:
 
     round_seeded: round r uses ``RandomState(r).choice(K, m, replace=False)``, the FedKPer
     code's ``np.random.seed(round_idx); np.random.choice(...)``: identical for every seed and
-    method. stream: one ``default_rng(seed)`` stream, ``rng.choice(K, m, replace=False)`` per
-    round. Order within a round is the draw order (the order clients train in).
+    method. seed_round: round r uses ``default_rng(derive_seed("client-schedule", seed,
+    r)).choice(K, m, replace=False)``: a different schedule for every seed, the same for every
+    method with that seed (so comparisons paired by seed stay paired), and round r's clients do
+    not depend on the number of rounds. stream: one ``default_rng(seed)`` stream,
+    ``rng.choice(K, m, replace=False)`` per round. Order within a round is the draw order (the
+    order clients train in).
     """
     m = clients_per_round(num_clients, participation)
     out = np.empty((rounds, m), dtype=np.int64)
     if scheme == "round_seeded":
         for r in range(rounds):
             out[r] = np.random.RandomState(r).choice(num_clients, m, replace=False)
+    elif scheme == "seed_round":
+        for r in range(rounds):
+            out[r] = np.random.default_rng(derive_seed("client-schedule", seed, r)).choice(num_clients, m, replace=False)
     elif scheme == "stream":
         rng = np.random.default_rng(seed)
         for r in range(rounds):
             out[r] = rng.choice(num_clients, m, replace=False)
     else:
-        raise ValueError(f"train.sampling.scheme: unknown scheme {scheme!r}; known: round_seeded, stream")
+        raise ValueError(f"train.sampling.scheme: unknown scheme {scheme!r}; known: round_seeded, seed_round, stream")
     return out
 
 

@@ -52,9 +52,46 @@ def class_tick_labels(num_classes: int, class_names: Sequence[str] | None = None
     return out
 
 
+def describe_partition(config: dict) -> str:
+    """The partition scheme in words, from ``client_stats.json``'s ``config``: ``"Dirichlet label
+    skew, α = 0.1"``, ``"IID"``, ``"pathological, 2 classes per client"``, ``"shards, 2 per
+    client"``; another scheme by its name, with its α where it has one."""
+    scheme = config.get("scheme", "dirichlet")
+    alpha = config.get("alpha")
+    if scheme == "dirichlet":
+        return f"Dirichlet label skew, α = {alpha:g}"
+    if scheme == "iid":
+        return "IID"
+    if scheme == "pathological" and config.get("classes_per_client"):
+        return f"pathological, {config['classes_per_client']} classes per client"
+    if scheme == "shards" and config.get("shards_per_client"):
+        return f"shards, {config['shards_per_client']} per client"
+    words = scheme.replace("_", " ")
+    return f"{words}, α = {alpha:g}" if isinstance(alpha, (int, float)) and not isinstance(alpha, bool) else words
+
+
+def client_totals(counts: dict) -> dict[str, int]:
+    """Samples per client over every local split (train + test, + val), by client id as in ``counts``."""
+    return {c: int(sum(int(np.sum(counts[c][s])) for s in ("train", "test", "val") if s in counts[c]))
+            for c in sorted(counts, key=int)}
+
+
+def partition_title(stats: dict) -> str:
+    """The heat map's title from a partition's ``client_stats.json``: data set / partition, the
+    scheme in words (:func:`describe_partition`, e.g. "Dirichlet label skew, α = 0.1"), the number
+    of clients and their samples in all, least and most."""
+    totals = list(client_totals(stats["clients"]).values())
+    head = f"{stats['dataset']} / {stats['partition']}"
+    scheme = describe_partition(stats.get("config") or {})
+    spread = (f"{len(totals)} clients, {sum(totals):,} samples ({min(totals):,}–{max(totals):,} per client)"
+              if totals else "no clients")
+    return f"{head}: {scheme}\n{spread}\nsamples per class and client (local train + test)"
+
+
 def heatmap_figure(counts: dict, num_classes: int, class_names: Sequence[str] | None = None, title: str = ""):
     """The heat map as a matplotlib Figure (see :func:`partition_heatmap`); the caller closes it.
-    Call it inside :func:`figure_style` for the reproducible look."""
+    Call it inside :func:`figure_style` for the reproducible look. Up to 60 clients, each row is
+    labelled "<client id> (<its samples in all>)"."""
     clients = sorted(counts, key=int)
     # every local split of the client: train + test (+ val, with the ratios rule)
     mat = np.array([np.sum([counts[c][s] for s in ("train", "test", "val") if s in counts[c]], axis=0)
@@ -74,9 +111,11 @@ def heatmap_figure(counts: dict, num_classes: int, class_names: Sequence[str] | 
         ax.set_xticklabels(labels, rotation=45, ha="right", rotation_mode="anchor", fontsize=7)
     else:
         ax.set_xticklabels(labels)
-    if k <= 60:
+    totals = mat.sum(axis=1)
+    if k <= 60:  # each client's total beside its id
         ax.set_yticks(range(k))
-        ax.set_yticklabels([str(c) for c in clients], fontsize=7)
+        ax.set_yticklabels([f"{c} ({t:,})" for c, t in zip(clients, totals)], fontsize=7)
+        ax.set_ylabel("client (samples in all)")
         if k * num_classes <= 800:
             thr = mat.max() / 2 if mat.size else 0
             for i in range(k):

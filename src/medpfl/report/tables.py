@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import html
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -49,7 +50,8 @@ SUMMARY_KEYS = (
     "avg_global_bwt", "avg_global_bwt_std_rounds", "global_consistency",
     "avg_local_acc", "avg_local_acc_std_rounds", "avg_local_acc_plain",
     "avg_worst_client_acc", "avg_worst_client_acc_plain", "local_consistency", "balance",
-    "final_client_acc_mean", "final_client_acc_worst", "final_client_bal_acc_mean", "final_client_acc_pooled",
+    "final_client_acc_mean", "final_client_acc_worst", "final_client_acc_worst_client", "final_client_acc_worst_test_size",
+    "final_client_acc_worst_ties", "final_client_bal_acc_mean", "final_client_acc_pooled",
     "final10_client_acc_mean",
     "final_local_models_on_global_test", "best_val_client_acc", "best_val_client_acc_worst",
     "bytes_up_total", "bytes_down_total", "mb_per_round", "mb_up_per_round", "mb_down_per_round",
@@ -86,19 +88,22 @@ _TABLE1 = (
     ("Balance ↑", "balance", None),
 )
 
-# (column header, value key, decimals)
+# (column header, value key, decimals); ↑ / ↓: higher / lower is better (the best mean is bold)
 _PLAIN = (
-    ("Final Global Acc", "final_global_acc", 3),
-    ("Final mean client acc (all clients)", "final_client_acc_mean", 3),
-    ("Final worst client acc (all clients)", "final_client_acc_worst", 3),
-    ("Final pooled client acc (correct / tested)", "final_client_acc_pooled", 3),
-    ("Last-10-round mean client acc", "final10_client_acc_mean", 3),
-    ("Avg local acc (plain)", "avg_local_acc_plain", 3),
-    ("Test acc at best-val round (FHBench protocol)", "best_val_client_acc", 3),
-    ("MB per round", "mb_per_round", 2),
-    ("s per round", "seconds_per_round", 2),
+    ("Final Global Acc ↑", "final_global_acc", 3),
+    ("Final mean client acc (all clients) ↑", "final_client_acc_mean", 3),
+    ("Final worst client acc (all clients) ↑", "final_client_acc_worst", 3),
+    ("Final pooled client acc (correct / tested) ↑", "final_client_acc_pooled", 3),
+    ("Last-10-round mean client acc ↑", "final10_client_acc_mean", 3),
+    ("Avg local acc (plain) ↑", "avg_local_acc_plain", 3),
+    ("Test acc at best-val round (FHBench protocol) ↑", "best_val_client_acc", 3),
+    ("MB per round ↓", "mb_per_round", 2),
+    ("s per round ↓", "seconds_per_round", 2),
     ("DP ε (client-level, at DP δ)", "epsilon", 3),
 )
+#: The column naming the client behind "Final worst client acc", placed right after it
+#: (:func:`worst_client_cell`).
+WORST_CLIENT = "Final worst client: id (local test samples)"
 #: plain-table columns shown only where some run has a value (best_val_client_acc needs validation
 #: splits, epsilon DP-FedAvg: train.dp)
 _PLAIN_IF_PRESENT = ("best_val_client_acc", "epsilon")
@@ -121,7 +126,9 @@ CI_NOTE = (
     f"Every ± is the half-width of the {CI_LEVEL} Student t confidence interval of the mean over seeds "
     "(t quantile with n − 1 degrees of freedom × sample std over seeds (ddof=1) / √n, n = seeds with a value); "
     f"“{NO_INTERVAL}” where only one seed has a value, and “(k of n seeds)” where some seeds have none. "
-    "seeds: runs per method; rounds: training rounds per run."
+    "seeds: runs per method; rounds: training rounds per run. "
+    "Bold: the best mean of its column (↑ higher is better, ↓ lower), every method that ties at the printed "
+    "precision; none where fewer than two methods have a value or all are equal."
 )
 TABLE1_CAPTION = (
     f"{CI_NOTE} The columns “… std over rounds (paper's ±)” keep the FedKPer paper's ± for Avg Global Acc, "
@@ -131,7 +138,8 @@ TABLE1_CAPTION = (
     "Avg Local Acc is the class-balanced accuracy of each sampled client's model right after local training "
     "on its local test split, averaged over the sampled clients and then over rounds; Avg Worst Client Acc is "
     "the per-round minimum of that accuracy over the sampled clients, averaged over rounds. "
-    f"{NULL} = not applicable."
+    f"{NULL} = not applicable: the global-model columns of a method without a global model (local) and Balance, "
+    "which needs both; its deployed accuracy is in the plain summary's final client accuracies."
 )
 NEVER_TRAINED_NOTE = (
     "Clients never trained: how many of the K clients no round trained (never sampled); their final "
@@ -143,6 +151,8 @@ PLAIN_CAPTION = (
     "client would deploy (its personalized model for personalized methods, else the global model); the "
     "last-10-round value averages that mean over the last 10 evaluated rounds. "
     f"{NEVER_TRAINED_NOTE}"
+    f"{WORST_CLIENT}: the client with the lowest final accuracy (the lowest id among ties) and its local test "
+    "split's size; where seeds differ, one entry per seed in seed order. "
     f"{NULL} = not applicable."
 )
 DP_NOTE = (
@@ -178,6 +188,7 @@ class Run:
     rounds: pd.DataFrame
     environment: dict[str, Any] | None = None  # the fingerprint training recorded (None: trained before)
     earlier_environments: tuple[dict[str, Any], ...] = ()  # of earlier sessions, when resumed elsewhere
+    sampling: dict[str, Any] | None = None  # job.json's train.sampling (None: no job.json beside metrics.json)
 
     @property
     def key(self) -> tuple[str, str, str, Any]:
@@ -221,7 +232,23 @@ def load_run(run_dir: str | Path) -> Run:
     env = m.get("environment") if isinstance(m.get("environment"), dict) else None
     earlier = tuple(e for e in (m.get("earlier_environments") or []) if isinstance(e, dict))
     return Run(run_dir=run_dir, meta=meta, summary=summary, rounds=rounds, environment=env,
-               earlier_environments=earlier)
+               earlier_environments=earlier, sampling=_job_sampling(run_dir / "job.json"))
+
+
+def _job_sampling(path: Path) -> dict[str, Any] | None:
+    """``train.sampling`` of a run's ``job.json`` (``{"scheme": "round_seeded", "seed": None}`` where
+    the job predates the key); None without the file. A file that is not a job's JSON object
+    raises :class:`~medpfl.io.InputFileError` naming it."""
+    if not path.is_file():
+        return None
+    job = read_json(path)
+    train = job.get("train") if isinstance(job, dict) else None
+    if not isinstance(train, dict):
+        raise InputFileError(f"{path}: expected a JSON object with a 'train' object (the training job)")
+    sampling = train.get("sampling") or {}
+    if not isinstance(sampling, dict):
+        raise InputFileError(f"{path}: train.sampling must be a JSON object, got {sampling!r}")
+    return {"scheme": sampling.get("scheme", "round_seeded"), "seed": sampling.get("seed")}
 
 
 def load_runs(run_dirs: Iterable[str | Path]) -> list[Run]:
@@ -315,7 +342,88 @@ def table1(methods: dict[str, list[Run]]) -> pd.DataFrame:
             if rounds_key:
                 row[ROUNDS_STD.format(label=col.rstrip(" ↑"))] = _fmt(seed_mean(runs, rounds_key), 3)
         rows.append(row)
-    return pd.DataFrame(rows, columns=cols)
+    means = pd.DataFrame({col: [seed_mean(runs, key) for runs in methods.values()] for col, key, _ in _TABLE1})
+    return mark_best(pd.DataFrame(rows, columns=cols), means, {col: 3 for col, _, _ in _TABLE1})
+
+
+def direction(column: str) -> int:
+    """+1 where higher is better (the header ends in ↑), -1 where lower is (↓), 0 otherwise."""
+    return 1 if column.endswith("↑") else -1 if column.endswith("↓") else 0
+
+
+def mark_best(table: pd.DataFrame, means: pd.DataFrame, decimals: dict[str, int]) -> pd.DataFrame:
+    """``table`` with the best cell of every column of ``means`` that has a :func:`direction` in
+    Markdown bold (``**…**``; :func:`render_html` makes it ``<strong>``).
+
+    means: one row per row of ``table`` (same order), one column per value column, the number
+    the cell shows (None / NaN: no value). The best is the largest (↑) or smallest (↓) mean
+    rounded to the column's ``decimals``, so every method that ties at the printed precision is
+    bold; a column where fewer than two rows have a value, or all values are equal, gets none."""
+    out = table.copy()
+    for col in means.columns:
+        d = direction(col)
+        shown = pd.to_numeric(means[col], errors="coerce").round(decimals[col])
+        if not d or shown.count() < 2 or shown.nunique() < 2:
+            continue
+        best = shown.max() if d > 0 else shown.min()
+        rows = (shown == best).to_numpy()
+        out.loc[rows, col] = "**" + out.loc[rows, col].astype(str) + "**"
+    return out
+
+
+#: Schemes of ``train.sampling`` whose schedule is drawn from the run seed (unless ``sampling.seed`` fixes it).
+SEEDED_SCHEMES = ("seed_round", "stream")
+
+
+def variance_note(runs: list[Run], paired: bool = False) -> str:
+    """One sentence on what the intervals over these runs' seeds cover, from each run's
+    ``job.json`` ``train.sampling`` (:attr:`Run.sampling`): the training seed always sets the
+    model initialisation and each client's batch order; the client schedule varies with it only
+    for a scheme in :data:`SEEDED_SCHEMES` without a fixed ``sampling.seed``; the partition and
+    the data are fixed. ``paired``: the sentence for a paired comparison (what pairing by seed
+    shares)."""
+    kinds: dict[str, list[str]] = {}
+    for r in runs:
+        smp = r.sampling
+        if smp is None:
+            kind = "unknown"
+        elif smp.get("scheme") in SEEDED_SCHEMES and smp.get("seed") is None:
+            kind = f"seeded:{smp['scheme']}"
+        elif smp.get("scheme") in SEEDED_SCHEMES:
+            kind = f"fixed:{smp['scheme']} with train.sampling.seed {smp['seed']}"
+        else:
+            kind = f"fixed:{smp.get('scheme')}"
+        kinds.setdefault(kind, [])
+        if r.meta["method"] not in kinds[kind]:
+            kinds[kind].append(r.meta["method"])
+    seed_part = "the training seed's model initialisation and clients' batch order"
+    if len(kinds) == 1:
+        kind = next(iter(kinds))
+        how, _, scheme = kind.partition(":")
+        if how == "seeded":
+            covers = (f"{seed_part}, and client sampling (train.sampling.scheme {scheme}: each seed draws its own "
+                      "schedule of which clients train in which round")
+            covers += (", the same for every method of that seed, so a paired difference compares methods on the same "
+                       "clients" if paired else ", shared by every method of that seed") + ")"
+            leaves = "the partition or the data (fixed across seeds)"
+        elif how == "fixed":
+            covers = seed_part
+            leaves = (f"client sampling (train.sampling.scheme {scheme}: every seed and method trains the same clients "
+                      "in the same rounds), the partition or the data (fixed across seeds)")
+        else:
+            covers = seed_part
+            leaves = ("the partition or the data (fixed across seeds); whether they cover client sampling is not "
+                      "recorded (no job.json beside these runs' metrics.json)")
+        return f"Sources of variance: these intervals cover {covers}. They do not cover {leaves}."
+    parts = []
+    for kind, methods in kinds.items():
+        how, _, scheme = kind.partition(":")
+        what = {"seeded": f"varies with the seed ({scheme})", "fixed": f"is the same for every seed ({scheme})",
+                "unknown": "is not recorded (no job.json)"}[how]
+        parts.append(f"{', '.join(methods)}: the client schedule {what}")
+    return ("Sources of variance: these intervals cover the training seed's model initialisation and clients' batch "
+            "order, and the runs differ in client sampling (" + "; ".join(parts) + "); the partition and the data "
+            "are fixed across seeds.")
 
 
 NEVER_TRAINED = "Clients never trained"
@@ -342,18 +450,46 @@ def plain_table(methods: dict[str, list[Run]]) -> pd.DataFrame:
     cols = [(c, k, nd) for c, k, nd in _PLAIN if k not in _PLAIN_IF_PRESENT or seed_mean(everyone, k) is not None]
     dp = any(k == "epsilon" for _, k, _ in cols)
     never = any(r.summary.get("clients_never_trained") is not None for r in everyone)
+    named = any(r.summary.get("final_client_acc_worst_client") is not None for r in everyone)
     rows = []
     for method, runs in methods.items():
         row: dict[str, Any] = {"Strategy": method, **_counts(runs)}
         for col, key, nd in cols:
             row[col] = ci_cell(seed_interval(runs, key), nd, len(runs))
+            if key == "final_client_acc_worst" and named:
+                row[WORST_CLIENT] = worst_client_cell(runs)
         if dp:
             row[DP_DELTA] = dp_delta_cell(runs)
         if never:
             row[NEVER_TRAINED] = never_trained_cell(runs)
         rows.append(row)
-    return pd.DataFrame(rows, columns=["Strategy", "seeds", "rounds"] + [c for c, _, _ in cols]
-                        + ([DP_DELTA] if dp else []) + ([NEVER_TRAINED] if never else []))
+    columns = ["Strategy", "seeds", "rounds"]
+    for c, k, _ in cols:
+        columns += [c] + ([WORST_CLIENT] if k == "final_client_acc_worst" and named else [])
+    columns += ([DP_DELTA] if dp else []) + ([NEVER_TRAINED] if never else [])
+    means = pd.DataFrame({c: [seed_mean(runs, k) for runs in methods.values()] for c, k, _ in cols})
+    return mark_best(pd.DataFrame(rows, columns=columns), means, {c: nd for c, _, nd in cols})
+
+
+def worst_client_cell(runs: list[Run]) -> str:
+    """Who the final worst client is (``metrics.json``: ``final_client_acc_worst_client``,
+    ``_test_size``, ``_ties``): ``"7 (34)"`` where every seed names client 7 with 34 local test
+    samples; ``"7 (34) / 12 (20) / 3 (18)"``, one entry per seed in the runs' order, where
+    seeds differ; ``", 3 tied"`` appended where up to 3 clients share the lowest accuracy; ``—``
+    where no run names one (evaluated before the key existed, or no client accuracy)."""
+    def entry(r: Run) -> str | None:
+        c = r.summary.get("final_client_acc_worst_client")
+        if c is None:
+            return None
+        n = r.summary.get("final_client_acc_worst_test_size")
+        return f"{int(c)}" + ("" if n is None else f" ({int(n)})")
+
+    entries = [e for e in (entry(r) for r in runs) if e is not None]
+    if not entries:
+        return NULL
+    cell = entries[0] if len(set(entries)) == 1 else " / ".join(entries)
+    ties = max(int(r.summary.get("final_client_acc_worst_ties") or 1) for r in runs)
+    return cell + (f", {'up to ' if len(entries) > 1 else ''}{ties} tied" if ties > 1 else "")
 
 
 def dp_delta_cell(runs: list[Run]) -> str:
@@ -547,15 +683,18 @@ def render_markdown(runs: list[Run], title: str = "", curves_name: str | None = 
     lines = [f"# {title or 'medpfl report'}", ""]
     sections = _paired_sections(runs, reference)
     for (ds, part), methods in groups(runs).items():
+        group_runs = [r for rs in methods.values() for r in rs]
+        note, pnote = variance_note(group_runs), variance_note(group_runs, paired=True)
         lines += [f"## {ds} / {part}", "", f"### {TABLE1_TITLE}", "", TABLE1_LEAD, "",
-                  _md_table(table1(methods)), "",
+                  _md_table(table1(methods)), "", note, "",
                   f"*{TABLE1_CAPTION}*", "", f"### {PLAIN_TITLE}", "", _md_table(plain := plain_table(methods)), "",
-                  f"*{plain_caption(plain)}*", ""]
+                  note, "", f"*{plain_caption(plain)}*", ""]
         ct, cref = cost_table(methods, reference if reference in methods else None)
         lines += [f"### {COST_TITLE}", "", _md_table(ct), "", f"*{COST_CAPTION.format(reference=cref)}*", ""]
         heading, pt, caption = sections[(ds, part)]
-        lines += [f"### {heading}", "", _md_table(pt) if pt is not None else "No other method to compare.", "",
-                  f"*{caption}*", ""]
+        lines += [f"### {heading}", "", _md_table(pt) if pt is not None else "No other method to compare.", ""]
+        lines += [pnote, ""] if pt is not None else []
+        lines += [f"*{caption}*", ""]
         group = f"{ds} / {part}"
         if paper and group in paper[2]:
             lines += [f"### {paper[0]}", "", f"*{paper[1]}*", ""]
@@ -569,15 +708,22 @@ def render_markdown(runs: list[Run], title: str = "", curves_name: str | None = 
 
 
 _CSS = """
-body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; margin: 2em auto; max-width: 1200px;
+body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; margin: 2em auto; max-width: 1500px;
        padding: 0 1em; color: #222; }
 h1 { border-bottom: 2px solid #444; padding-bottom: .2em; }
 h2 { margin-top: 2em; border-bottom: 1px solid #bbb; }
-table.report { border-collapse: collapse; margin: .5em 0; font-size: 0.9em; }
-table.report th, table.report td { border: 1px solid #ccc; padding: .3em .6em; text-align: right; white-space: nowrap; }
-table.report th { background: #f0f0f0; text-align: center; }
+div.scroll { overflow-x: auto; max-width: 100%; margin: .5em 0; }
+table.report { border-collapse: separate; border-spacing: 0; font-size: 0.9em; }
+table.report th, table.report td { border: 1px solid #ccc; padding: .3em .6em; text-align: right; white-space: nowrap;
+                                   background: #fff; }
+table.report th { background: #f0f0f0; text-align: center; white-space: normal; min-width: 4em; max-width: 9em;
+                  vertical-align: bottom; }
+table.report td:first-child, table.report th:first-child { position: sticky; left: 0; z-index: 1;
+                                                           border-right: 2px solid #999; }
 table.report td:first-child { text-align: left; font-weight: 600; }
-table.report tbody tr:nth-child(even) { background: #fafafa; }
+table.report tbody tr:nth-child(even) td { background: #fafafa; }
+table.report td strong { color: #000; }
+p.variance { font-size: 0.85em; color: #333; max-width: 60em; }
 p.caption { font-size: 0.85em; color: #555; max-width: 60em; }
 figure { margin: 1em 0; }
 figure img { max-width: 100%; border: 1px solid #ddd; }
@@ -587,8 +733,21 @@ table.env td:first-child { font-family: monospace; }
 """
 
 
-def _html_table(df: pd.DataFrame) -> str:
-    return df.to_html(index=False, escape=True, classes="report", border=0)
+_BOLD = re.compile(r"\*\*(.+?)\*\*")
+
+
+def _html_table(df: pd.DataFrame, classes: str | list[str] = "report") -> str:
+    """``df`` as an HTML table inside a horizontally scrolling ``div.scroll`` (the first column
+    stays in view, the headers wrap: the page fits its window); every cell escaped, and a
+    Markdown-bold cell (:func:`mark_best`) as ``<strong>``."""
+    cells = df.map(lambda v: _BOLD.sub(r"<strong>\1</strong>", html.escape(str(v))))
+    cells.columns = [html.escape(str(c)) for c in df.columns]
+    table = cells.to_html(index=False, escape=False, classes=classes, border=0)
+    return f'<div class="scroll">\n{table}\n</div>'
+
+
+def _html_note(text: str) -> str:
+    return f'<p class="variance">{html.escape(text)}</p>'
 
 
 def render_html(runs: list[Run], title: str = "", images: Iterable[tuple[str, str, str]] = (),
@@ -603,18 +762,20 @@ def render_html(runs: list[Run], title: str = "", images: Iterable[tuple[str, st
              f"<style>{_CSS}</style>", "</head>", "<body>", f"<h1>{t}</h1>"]
     sections = _paired_sections(runs, reference)
     for (ds, part), methods in groups(runs).items():
+        group_runs = [r for rs in methods.values() for r in rs]
+        note, pnote = _html_note(variance_note(group_runs)), _html_note(variance_note(group_runs, paired=True))
         parts += [f"<h2>{html.escape(str(ds))} / {html.escape(str(part))}</h2>",
                   f"<h3>{html.escape(TABLE1_TITLE)}</h3>", f"<p>{html.escape(TABLE1_LEAD)}</p>",
-                  _html_table(table1(methods)),
+                  _html_table(table1(methods)), note,
                   f'<p class="caption">{html.escape(TABLE1_CAPTION)}</p>',
-                  f"<h3>{html.escape(PLAIN_TITLE)}</h3>", _html_table(plain := plain_table(methods)),
+                  f"<h3>{html.escape(PLAIN_TITLE)}</h3>", _html_table(plain := plain_table(methods)), note,
                   f'<p class="caption">{html.escape(plain_caption(plain))}</p>']
         ct, cref = cost_table(methods, reference if reference in methods else None)
         parts += [f"<h3>{html.escape(COST_TITLE)}</h3>", _html_table(ct),
                   f'<p class="caption">{html.escape(COST_CAPTION.format(reference=cref))}</p>']
         heading, pt, caption = sections[(ds, part)]
         parts += [f"<h3>{html.escape(heading)}</h3>",
-                  _html_table(pt) if pt is not None else "<p>No other method to compare.</p>",
+                  _html_table(pt) + pnote if pt is not None else "<p>No other method to compare.</p>",
                   f'<p class="caption">{html.escape(caption)}</p>']
         group = f"{ds} / {part}"
         if paper and group in paper[2]:
@@ -624,7 +785,7 @@ def render_html(runs: list[Run], title: str = "", images: Iterable[tuple[str, st
     parts += [f"<h2>{WALL_TITLE}</h2>", _html_table(wall_table(runs)),
               f'<p class="caption">{html.escape(WALL_CAPTION)}</p>']
     parts += [f"<h2>{ENV_TITLE}</h2>",
-              environment_table(runs).to_html(index=False, escape=True, classes=["report", "env"], border=0),
+              _html_table(environment_table(runs), classes=["report", "env"]),
               f'<p class="caption">{html.escape(ENV_CAPTION)}</p>']
     images = list(images)
     if images:
