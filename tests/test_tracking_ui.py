@@ -12,7 +12,7 @@ import pytest
 
 from medpfl.cli import main
 from medpfl.report.stats import t_interval
-from medpfl.tracking import (EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, HEADLINE_METRICS, NOTE_TAG, SHARED_VIEW_TAG, RunLogger,
+from medpfl.tracking import (EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, EXPERIMENT_NOTE, HEADLINE_METRICS, NOTE_TAG, SHARED_VIEW_TAG, RunLogger,
                              init_study, log_study, round_significant, share_key, study_children, study_view_state,
                              ui_urls)
 
@@ -47,6 +47,11 @@ def test_existing_experiment_gets_the_tag_and_a_user_choice_is_kept(store):
     init_study("s", "mine", tmp / "p2.json", uri=uri)
     tags = c.get_experiment(mine).tags
     assert tags[EXPERIMENT_KIND_TAG] == "finetuning" and tags[NOTE_TAG] == "my notes"
+    # a note an older medpfl wrote is replaced by the current one
+    older = c.create_experiment("older", artifact_location=(tmp / "art" / "older").as_uri(),
+                                tags={NOTE_TAG: "medpfl federated-learning benchmark. One parent run per study ..."})
+    init_study("s", "older", tmp / "p3.json", uri=uri)
+    assert c.get_experiment(older).tags[NOTE_TAG] == EXPERIMENT_NOTE
 
 
 def _children(uri, tmp, parent_file):

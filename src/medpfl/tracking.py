@@ -107,6 +107,17 @@ def git_commit(cwd: Path | None = None) -> str:
         return "unknown"
 
 
+def refresh_experiment_tags(client, exp) -> None:
+    """An experiment made before (by an older medpfl, or by hand): add the type tag and the note
+    where missing, replace a note an older medpfl wrote (it starts as :data:`EXPERIMENT_NOTE`
+    does), and keep whatever a user set."""
+    if EXPERIMENT_KIND_TAG not in exp.tags:
+        retry(client.set_experiment_tag, exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+    note = exp.tags.get(NOTE_TAG)
+    if note is None or (note != EXPERIMENT_NOTE and note.startswith(EXPERIMENT_NOTE.split(".")[0] + ".")):
+        retry(client.set_experiment_tag, exp.experiment_id, NOTE_TAG, EXPERIMENT_NOTE)
+
+
 def init_study(study: str, experiment: str, out: Path, uri: str | None = None,
                artifact_root: Path | None = None) -> dict:
     """Create (or reuse) the store, the experiment and a parent run for ``study``; write ``out``.
@@ -127,10 +138,7 @@ def init_study(study: str, experiment: str, out: Path, uri: str | None = None,
                                           tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND, NOTE_TAG: EXPERIMENT_NOTE})
     else:
         exp_id = exp.experiment_id
-        # an experiment made before (or by hand): add what is missing, keep what a user set
-        for key, value in ((EXPERIMENT_KIND_TAG, EXPERIMENT_KIND), (NOTE_TAG, EXPERIMENT_NOTE)):
-            if key not in exp.tags:
-                client.set_experiment_tag(exp_id, key, value)
+        refresh_experiment_tags(client, exp)
     tags = {"study": study, "git_commit": git_commit(), "medpfl.role": "study"}
     run = client.create_run(exp_id, run_name=study, tags=tags)
     client.set_terminated(run.info.run_id, "FINISHED")
@@ -170,6 +178,7 @@ def log_study(parent_file: Path, params: dict[str, Any], artifacts: list[Path]) 
             if r.info.run_name != name:
                 retry(client.update_run, r.info.run_id, name=name)
     publish_study_views(parent)
+    refresh_experiment_tags(client, client.get_experiment(parent["experiment_id"]))
     from mlflow.entities import RunTag
 
     retry(client.log_batch, run_id, tags=[RunTag(NOTE_TAG, study_summary_markdown(parent["study"], children))])
