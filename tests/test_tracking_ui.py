@@ -212,3 +212,24 @@ def test_a_job_training_again_after_finishing_is_a_new_run_an_interrupted_one_co
     c = _client(uri)
     assert c.get_run(again.run_id).data.params["train.lr"] == "0.05"
     assert c.get_run(first.run_id).data.params["train.lr"] == "0.1"
+
+
+def test_runs_not_behind_the_report_are_superseded_and_left_out(store):
+    """A job trained again after a params edit (or a failed attempt) leaves an older child run:
+    the report stage marks it superseded, the views' filter and the summary leave it out, and
+    a run named current again is a training run again."""
+    uri, tmp = store
+    pf = tmp / "results" / "s1" / "mlflow_parent.json"
+    rec = init_study("s1", "exp-a", pf, uri=uri, artifact_root=tmp / "art")
+    ids = _children(uri, tmp, pf)
+    old = ids[("a", "fedavg", 1)]
+    current = [rid for k, rid in ids.items() if k != ("a", "fedavg", 1)]
+    log_study(pf, {}, [], current_runs=current)
+    c = _client(uri)
+    assert c.get_run(old).data.tags["medpfl.role"] == "superseded"
+    shown = c.search_runs([rec["experiment_id"]], study_view_state("s1")["searchFilter"])
+    assert sorted(r.info.run_id for r in shown) == sorted(current)
+    note = c.get_run(rec["parent_run_id"]).data.tags[NOTE_TAG]
+    assert "7 training runs" in note and "| fedavg | 1 |" in note  # on a/p only seed 2 is current
+    log_study(pf, {}, [], current_runs=list(ids.values()))
+    assert c.get_run(old).data.tags["medpfl.role"] == "training"

@@ -128,9 +128,14 @@ def cmd_report(a) -> None:
                          title=a.title or "", paper_table=Path(a.paper_table) if a.paper_table else None,
                          reference=a.reference)
     if a.parent:
+        from medpfl.io import read_json
         from medpfl.tracking import log_study
 
-        log_study(Path(a.parent), _job(a.study_params) if a.study_params else {}, [Path(p) for p in paths.values()])
+        # the MLflow runs behind this report (each run's metrics.json); other children of the study's parent
+        # (a job's earlier run before a params edit, a failed attempt) are marked superseded
+        current = [read_json(Path(r) / "metrics.json").get("mlflow_run_id") for r in a.runs]
+        log_study(Path(a.parent), _job(a.study_params) if a.study_params else {}, [Path(p) for p in paths.values()],
+                  current_runs=[c for c in current if c])
     print(f"report: {', '.join(str(p) for p in paths.values())}")
 
 

@@ -149,14 +149,26 @@ def init_study(study: str, experiment: str, out: Path, uri: str | None = None,
     return record
 
 
-def log_study(parent_file: Path, params: dict[str, Any], artifacts: list[Path]) -> None:
+#: ``medpfl.role`` of a training run that is not behind the study's current report (a job's run
+#: before a params or code edit trained it again, a failed attempt, a method removed from the
+#: study): the study views' filter (``medpfl.role = 'training'``) leaves it out; nothing is deleted.
+SUPERSEDED = "superseded"
+
+
+def log_study(parent_file: Path, params: dict[str, Any], artifacts: list[Path],
+              current_runs: list[str] | None = None) -> None:
     """Log the study's resolved params (as ``config/params.json``; MLflow params are immutable,
     so they are logged only once, as they were at the first report) and the report files to the
     parent run; make the parent carry the study: its description (``mlflow.note.content``) is
     the per-method summary (:func:`study_summary_markdown`) with the links' use, and its end time
     is the report's (so its duration spans the study); the children get method-first names
     (:func:`run_name`; runs trained by an older medpfl or restored from an archive included) and
-    the study's shared views are (re)published (:func:`publish_study_views`)."""
+    the study's shared views are (re)published (:func:`publish_study_views`).
+
+    ``current_runs``: the MLflow run ids behind the report (each run folder's ``metrics.json``);
+    a training child not among them gets ``medpfl.role = superseded`` (:data:`SUPERSEDED`), so
+    the views and the summary count each job once; a superseded run named again becomes a
+    training run again. None: every child counts."""
     parent = read_json(parent_file)
     client = _client(parent["tracking_uri"])
     run_id = parent["parent_run_id"]
@@ -171,6 +183,16 @@ def log_study(parent_file: Path, params: dict[str, Any], artifacts: list[Path]) 
     for path in artifacts:
         retry(client.log_artifact, run_id, str(path), "report")
     children = study_children(parent)
+    if current_runs is not None:
+        from mlflow.entities import RunTag
+
+        keep = set(current_runs)
+        for r in children:
+            role = r.data.tags.get("medpfl.role")
+            want = "training" if r.info.run_id in keep else SUPERSEDED
+            if role in ("training", SUPERSEDED) and role != want:
+                retry(client.log_batch, r.info.run_id, tags=[RunTag("medpfl.role", want)])
+        children = [r for r in children if r.info.run_id in keep]
     for r in children:
         t = r.data.tags
         if all(k in t for k in ("method", "seed", "dataset", "partition")):
