@@ -103,13 +103,18 @@ def cmd_mlflow_init(a) -> None:
 
 
 def cmd_train(a) -> None:
+    from medpfl.gpus import claim_for_device
+
+    job = _job(a.job)
+    # one free GPU for this job (CUDA_VISIBLE_DEVICES), before torch is imported and reads it
+    claim_for_device(str((job.get("train") or {}).get("device", "auto")))
     from medpfl.train import run_training
 
     if a.threads:
         import torch
 
         torch.set_num_threads(a.threads)
-    run_training(_job(a.job), Path(a.arrays), Path(a.samples), Path(a.partition_table), Path(a.out_dir),
+    run_training(job, Path(a.arrays), Path(a.samples), Path(a.partition_table), Path(a.out_dir),
                  parent_file=Path(a.parent) if a.parent else None)
 
 
@@ -359,7 +364,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(results/<study>/mlflow_parent.json); the store is $MLFLOW_TRACKING_URI, else "
                    "sqlite:///mlruns.db in the current folder")
 
-    s = command("train", cmd_train)
+    s = command("train", cmd_train, epilog=textwrap.fill(
+        "GPU: a job whose train.device is auto or cuda (or any job while MEDPFL_GPUS is set) first claims one "
+        "free GPU of the machine (nvidia-smi -L, or the ids in MEDPFL_GPUS) with a lock file in "
+        "MEDPFL_GPU_LOCK_DIR and runs with CUDA_VISIBLE_DEVICES set to it; a CUDA_VISIBLE_DEVICES already set "
+        "(SLURM) is kept. See docs/cluster.md.", break_on_hyphens=False))
     s.add_argument("--job", required=True, metavar="JSON", help=JOB_HELP + ': {"study", "dataset", "partition", '
                    '"method", "algorithm", "method_params": {...}, "seed": INT, "num_clients": INT, "train": '
                    '{...}, "eval": {...}[, "pool": "all"]} (medpfl.config.train_job writes it)')

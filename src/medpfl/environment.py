@@ -120,6 +120,7 @@ def capture(device: torch.device, precision: str, deterministic: bool) -> dict[s
         "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
         "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
         "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),  # the job's GPU (medpfl.gpus, SLURM)
         "precision": precision,
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "cuda_matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),

@@ -62,7 +62,13 @@ class TrackingError(RuntimeError):
     """The MLflow store cannot be reached or written; the message names the URI."""
 
 
+class GpuError(RuntimeError):
+    """No GPU could be assigned to a training job (:mod:`medpfl.gpus`): a malformed
+    ``MEDPFL_GPUS`` or ``MEDPFL_GPU_WAIT``, or every GPU still locked by other jobs when the wait
+    ran out; the message names the variable or the lock folder."""
+
+
 #: what ``medpfl`` commands report in one line (exit status 2) instead of a traceback
 #: (:func:`medpfl.cli.known_errors` adds the standard library's)
 PROJECT_ERRORS = (ParamsError, DataError, PartitionError, TableError, TrackingError, DivergenceError, PaperTableError,
-                  InputFileError, MissingWeightsError)
+                  InputFileError, MissingWeightsError, GpuError)
