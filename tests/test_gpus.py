@@ -200,3 +200,30 @@ def test_snakemake_runs_n_jobs_each_on_its_own_gpu(tmp_path):
         running += step
         most = max(most, running)
     assert most == 2  # the two GPUs in use at once, never more
+
+
+@pytest.mark.slow
+def test_gpu_limit_splits_the_cores_over_the_training_jobs(tmp_path):
+    """On a machine with GPUs (a fake ``nvidia-smi``), ``--cores 8 --resources gpu=4`` gives each
+    training job 8 // 4 = 2 threads, so 4 fit at once; the default profile's gpu=1 keeps 8."""
+    from tests.helpers import copy_repo, tiny_params, write_params, write_synthetic
+
+    snakefile = copy_repo(tmp_path / "workflow") / "Snakefile"
+    work = tmp_path / "work"
+    work.mkdir()
+    write_params(work, tiny_params(write_synthetic(work / "synth.npz"), methods=("fedavg", "local"), seeds=(1, 2)))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: fake'\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = _env(tmp_path)
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+
+    def train_threads(*args: str) -> set[str]:
+        out = snakemake(work, "train_all", "--dry-run", "--printshellcmds", *args, env=env, snakefile=snakefile).stdout
+        threads = re.findall(r"Shell command: medpfl train .* --threads (\d+) ", out)
+        assert len(threads) == 4, out[-3000:]
+        return set(threads)
+
+    assert train_threads("--cores", "8", "--resources", "gpu=4") == {"2"}
+    assert train_threads("--cores", "8") == {"8"}

@@ -13,10 +13,23 @@ PARAMS = validate_params(config, "params.yaml (with any --configfile overlays)")
 STUDY = PARAMS.study
 ROOT = Path(workflow.basedir)
 HAS_GPU = shutil.which("nvidia-smi") is not None
+
+
+def gpu_jobs():
+    """N of ``--resources gpu=N`` (the default profile gives 1) on a machine with a GPU, else 1:
+    how many training jobs run at once, each on its own GPU (medpfl.gpus picks which)."""
+    if not HAS_GPU:
+        return 1
+    limit = workflow.global_resources.get("gpu")
+    value = getattr(limit, "value", limit)
+    return value if isinstance(value, int) and value > 0 else 1
+
+
 # Threads per training job (Snakemake runs as many jobs at once as cores allow). Measured on
 # the default study (2 cores, cnn4): one 2-thread job at a time and two 1-thread jobs in
 # parallel train at the same rate, and the former leaves no lone 1-thread job at the end.
-TRAIN_THREADS = max(1, min(int(workflow.cores or 1), 8))
+# With --resources gpu=N the cores are split over the N GPU jobs, so N of them fit at once.
+TRAIN_THREADS = max(1, min(int(workflow.cores or 1) // gpu_jobs(), 8))
 
 
 wildcard_constraints:
