@@ -2,7 +2,8 @@
 
 :func:`configure_determinism` applies ``train.deterministic`` before a job touches the GPU;
 :func:`capture` records the run's *environment fingerprint*: CPU model and SIMD level, BLAS,
-core count and the torch threads used, torch / CUDA / cuDNN versions and the GPU, the
+core count and the torch threads used, torch / CUDA / cuDNN versions and the GPU (and
+``CUDA_VISIBLE_DEVICES``: which of the machine's GPUs, see :mod:`medpfl.gpus`), the
 determinism flags torch reports, the precision policy (``train.precision``, the float32 matmul
 precision, the TF32 switches), Python and platform. The train stage writes it into ``job.json``
 (key ``environment``, beside the job description, never inside it: it is an output, so it
