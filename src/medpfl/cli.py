@@ -140,7 +140,7 @@ def cmd_report(a) -> None:
         # (a job's earlier run before a params edit, a failed attempt) are marked superseded
         current = [read_json(Path(r) / "metrics.json").get("mlflow_run_id") for r in a.runs]
         log_study(Path(a.parent), _job(a.study_params) if a.study_params else {}, [Path(p) for p in paths.values()],
-                  current_runs=[c for c in current if c])
+                  current_runs=[c for c in current if c] or None)  # no tracked run: leave the children as they are
     print(f"report: {', '.join(str(p) for p in paths.values())}")
 
 
