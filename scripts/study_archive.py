@@ -293,7 +293,7 @@ def relog_mlflow(run: Path, parent_file: Path, meta: dict) -> str:
 
     from medpfl.environment import mlflow_tags
     from medpfl.io import md5sum
-    from medpfl.tracking import RunLogger, retry, run_name
+    from medpfl.tracking import RunLogger, logged_value, retry
     from medpfl.train import round_scalars
 
     full = json.loads((run / "job.json").read_text())
@@ -302,7 +302,8 @@ def relog_mlflow(run: Path, parent_file: Path, meta: dict) -> str:
     records = pd.read_parquet(run / "records.parquet")
     rounds = pd.read_parquet(run / "rounds.parquet").sort_values("round")
     table_file = next((Path(i) for i in meta.get("input", []) if i.endswith("partition.parquet")), None)
-    name = run_name(job["method"], job["seed"], job["dataset"], job["partition"])
+    name = f"{job['dataset']}/{job['partition']}/{job['method']}/seed{job['seed']}"  # as training names it (the
+    # evaluate and report stages then name it method first, tracking.run_name)
     tags = {"method": job["method"], "algorithm": job["algorithm"], "dataset": job["dataset"],
             "partition": job["partition"], "seed": str(job["seed"]), "study": job["study"],
             "device": str(env.get("device")), "num_clients": str(job["num_clients"]),
@@ -324,8 +325,8 @@ def relog_mlflow(run: Path, parent_file: Path, meta: dict) -> str:
     for (_, row), t in zip(rounds.iterrows(), rounds["round_seconds"].cumsum()):
         r = int(row["round"])
         ts = end_ms - int((total - t) * 1000)
-        metrics += [Metric(k, float(v), ts, r) for k, v in round_scalars(by_round.get(r, []), row.to_dict()).items()
-                    if v is not None and v == v]
+        metrics += [Metric(k, logged_value(float(v)), ts, r)  # as RunLogger.log_metrics logs it (4 significant digits)
+                    for k, v in round_scalars(by_round.get(r, []), row.to_dict()).items() if v is not None and v == v]
     logger = RunLogger(parent_file, run_file, name, tags, resume=False, start_time=start_ms)
     try:
         logger.log_params(job)

@@ -431,9 +431,9 @@ def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _shown(x: float) -> float:
-    """A metric value as logged: integers exact, other values to :data:`LOGGED_DIGITS`
-    significant digits."""
+def logged_value(x: float) -> float:
+    """A metric value as medpfl logs it to MLflow: integers exact, other values to
+    :data:`LOGGED_DIGITS` significant digits."""
     return x if x.is_integer() else round_significant(x)
 
 
@@ -492,7 +492,7 @@ class RunLogger:
         from mlflow.entities import Metric
 
         ts = int(time.time() * 1000)
-        ms = [Metric(k, _shown(float(v)), ts, step if step is not None else 0) for k, v in metrics.items()
+        ms = [Metric(k, logged_value(float(v)), ts, step if step is not None else 0) for k, v in metrics.items()
               if v is not None and v == v]
         for i in range(0, len(ms), 500):
             retry(self.client.log_batch, self.run_id, metrics=ms[i:i + 500])
