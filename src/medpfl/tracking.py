@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 import subprocess
@@ -298,8 +299,6 @@ LOGGED_DIGITS = 4
 def round_significant(x: float, digits: int = LOGGED_DIGITS) -> float:
     """``x`` rounded to ``digits`` significant digits (``0.123456 -> 0.1235``; 0, NaN and inf as
     they are)."""
-    import math
-
     if not math.isfinite(x) or x == 0:
         return x
     return round(x, digits - 1 - int(math.floor(math.log10(abs(x)))))
