@@ -42,7 +42,8 @@ VALUES = st.one_of(
     st.none(), st.booleans(), st.integers(-5, 10**6), st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=8), st.lists(st.integers(-2, 3), max_size=3), st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
 )
-KEY_LINE = re.compile(r"^  - [A-Za-z0-9_.+-]+(\.[A-Za-z0-9_.+-]+)*: .+", re.M)
+# a dotted key, where a key of other characters is quoted in brackets (server_data[':'])
+KEY_LINE = re.compile(r"""^  - (?:[A-Za-z0-9_.+-]|\[(?:'(?:[^'\\\n]|\\.)*'|"(?:[^"\\\n]|\\.)*")\])+: .+""", re.M)
 
 
 def _set(d, path, value):
@@ -77,11 +78,19 @@ def mutated_params(draw):
     return p
 
 
+def _with_odd_key():
+    """The case a CI run drew: a mapping key that is a colon (``server_data: {':': 0}``)."""
+    p = copy.deepcopy(BASE)
+    p["partitions"][0]["server_data"] = {":": 0}
+    return p
+
+
 def test_generated_params_are_accepted_or_rejected_with_the_key():
     seen: Counter = Counter()
 
     @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(mutated_params())
+    @example(_with_odd_key())
     def check(data):
         try:
             validate_params(data, "generated.yaml")

@@ -1199,7 +1199,7 @@ class Params(_Strict):
         except ValidationError as e:
             msgs = []
             for err in e.errors():
-                loc = ".".join(str(p) for p in err["loc"])
+                loc = _fmt_loc(tuple(err["loc"]))
                 msg = ("unknown key (check the spelling; see params.yaml for the allowed keys)"
                        if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, "))
                 msgs.append(f"method_params.{name}.train.{loc}: {msg}")
@@ -1254,8 +1254,18 @@ def _server_optimizer_name(v: Any) -> str | None:
     return v.get("name") if isinstance(v, dict) else None
 
 
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9_+-][A-Za-z0-9_.+-]*")
+
+
 def _fmt_loc(loc: tuple) -> str:
-    return ".".join(str(p) for p in loc) or "<root>"
+    """A params location as the dotted key a user types (``partitions.dir0.1.alpha``); a key that
+    is empty or holds other characters (spaces, ``:``, quotes) is shown quoted in brackets
+    (``server_data[':']``), so the line still reads unambiguously as ``<key>: <message>``."""
+    out = ""
+    for p in loc:
+        s = str(p)
+        out += (("." if out else "") + s) if _PLAIN_KEY.fullmatch(s) else f"[{s!r}]"
+    return out or "<root>"
 
 
 def format_validation_error(err: ValidationError, source: str) -> str:
