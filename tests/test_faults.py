@@ -187,6 +187,41 @@ def test_resume_from_a_checkpoint_of_an_older_engine_without_newer_round_columns
     assert s["peak_memory_mb"] == float(rounds["peak_memory_bytes"].max()) / 1e6
 
 
+def test_an_unreadable_checkpoint_is_set_aside_and_the_run_starts_over(fed_data, tmp_path, caplog, monkeypatch):
+    """A checkpoint cut short (a disk that filled, a copy between file systems that stopped
+    half-way) is moved to ``checkpoint.corrupt`` with a warning naming it, and the run starts
+    from round 0 to the numbers of a run that never had one; a killed checkpoint write leaves
+    the previous checkpoint whole (``atomic_path``), so a resubmitted job resumes from it."""
+    def engine(ckpt):
+        train = TrainConfig(rounds=3, participation=0.6, local_epochs=1, batch_size=16, checkpoint_every=1)
+        return Engine(make_algo("fedavg"), fed_data, train, EvalConfig(every=1), seed=1,
+                      executor_kind="sequential", checkpoint=ckpt, fingerprint="corrupt-ckpt")
+
+    ckpt = tmp_path / "checkpoint.pt"
+    first = engine(ckpt).run()
+    whole = ckpt.read_bytes()
+    ckpt.write_bytes(whole[: len(whole) // 2])
+    with caplog.at_level("WARNING"):
+        res = engine(ckpt).run()
+    assert res.resumed_from == 0
+    assert (tmp_path / "checkpoint.corrupt").read_bytes() == whole[: len(whole) // 2]
+    assert any("checkpoint.pt unreadable" in r.getMessage() for r in caplog.records)
+    assert res.records.drop(columns=["loss"]).equals(first.records.drop(columns=["loss"]))
+
+    ckpt.write_bytes(whole)  # the finished run's checkpoint: next_round 3
+    e = engine(ckpt)
+
+    def killed_mid_write(obj, f):
+        Path(f).write_bytes(b"half a checkpoint")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", killed_mid_write)
+    with pytest.raises(KeyboardInterrupt):
+        e._save_checkpoint(None, [], [], [], 1)
+    monkeypatch.undo()
+    assert ckpt.read_bytes() == whole and [p.name for p in tmp_path.iterdir() if p.name.startswith(TMP_PREFIX)] == []
+
+
 def test_unreachable_tracking_server_fails_before_training(job_dir):
     d, job, uri = job_dir
     bad = json.loads((d / "parent.json").read_text())
