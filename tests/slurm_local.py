@@ -46,18 +46,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _available_mb() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) // 1024
-    raise SlurmUnavailable("/proc/meminfo has no MemAvailable line")
-
-
 class LocalSlurm:
     """A one-node cluster whose state, spool, logs, key and sockets live in ``folder``.
 
-    ``cpus``: the node's CPUs (default: this machine's); ``memory_mb``: its RealMemory (default
-    85 % of the memory available now, so that slurmd never finds less than declared); ``gpus``:
+    ``cpus``: the node's CPUs (default: this machine's); ``memory_mb``: the memory it declares
+    (default 64 GB, whatever this machine has: ``SlurmdParameters=config_overrides`` makes slurmd
+    take the configured node as it is, and nothing enforces memory here, as no cgroup plugin is
+    configured, so the workflow's requests fit as on a real node); ``gpus``:
     fake GPUs the node declares as GRES (``gres.conf`` ``Name=gpu File=/dev/null``, ``/dev/zero``):
     SLURM then accepts and schedules ``--gpus=1`` as on a GPU node and sets the job's
     ``CUDA_VISIBLE_DEVICES``; nothing uses a real GPU.
@@ -97,7 +92,7 @@ class LocalSlurm:
         for sub in ("state", "spool", "munge"):
             (d / sub).mkdir(parents=True, exist_ok=True)
         os.chmod(d / "munge", 0o755)  # munged wants its socket's folder searchable by all
-        memory = self.memory_mb or max(1024, int(0.85 * _available_mb()))
+        memory = self.memory_mb or 65536
         gres = f" Gres=gpu:{self.gpus}" if self.gpus else ""
         # a GPU GRES needs a character device of its own (Count alone registers 0 GPUs, two GPUs on
         # one file are refused, and with a plain file SLURM sets no CUDA_VISIBLE_DEVICES)
@@ -125,6 +120,7 @@ class LocalSlurm:
             "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_Core",
             "ReturnToService=2",
+            "SlurmdParameters=config_overrides",
             "MpiDefault=none",
             "AccountingStorageType=accounting_storage/none",
             "JobAcctGatherType=jobacct_gather/none",

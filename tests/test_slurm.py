@@ -2,14 +2,14 @@
 cluster that the module's fixture starts on this machine (``tests/slurm_local.py``: munged,
 slurmctld, slurmd as root, select/cons_tres, no accounting daemon, two fake GPUs as GRES).
 
-One study (2 methods x 1 seed, 4 clients, 8 rounds, a checkpoint every round) runs twice in one
-folder: first locally, then through ``--executor slurm --workflow-profile profiles/slurm`` with
-a cluster profile of the kind a user writes (partition, no account, squeue status). The SLURM
-run trains, evaluates and reports again (the data stay); while it runs, the FedAvg training
-job is cancelled with ``scancel`` after its first checkpoint: Snakemake resubmits it and it
-resumes. Both runs' results must be equal (the cancelled one too), and every job must have gone
-through sbatch. A second study with a data set declared with the wrong channel count fails in
-its preprocess job: tried retries + 1 times, its one error line in Snakemake's output.
+One study (2 methods x 1 seed, 4 clients, 8 rounds, a checkpoint every round) runs through
+``--executor slurm --workflow-profile profiles/slurm`` with a cluster profile of the kind a user
+writes (partition, no account, squeue status), and at the same time locally in another folder.
+While the SLURM run trains, its FedAvg training job is cancelled with ``scancel`` after its first
+checkpoint: Snakemake resubmits it and it resumes. Both runs' results must be equal (the
+cancelled one too), and every cluster job must have gone through sbatch. Also at the same time,
+a study with a data set declared with the wrong channel count fails in its preprocess job on the
+cluster: tried retries + 1 times, its one error line in Snakemake's output.
 
 Skipped, with the reason, where the cluster cannot start (not root, slurm-wlm or munge missing,
 a real /etc/slurm/slurm.conf, a daemon that fails).
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -104,31 +103,57 @@ def _run_dir(work: Path, method: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def study(cluster, workflow, tmp_path_factory):
-    """The study run locally, then through SLURM with the FedAvg training cancelled once.
-    Returns a dict: work folder, env, local run folders, SLURM output, the cancelled job's id
-    and the rounds its checkpoint held when it was cancelled."""
+def failing(cluster, workflow, tmp_path_factory):
+    """A study whose custom data set is declared with 1 channel (the file has 3), started through
+    SLURM at once (``_finish`` waits for it): the params pass the DAG-time check, which does not
+    read the file, and the preprocess job on the cluster stops with one line."""
     snap, user = workflow
-    work = tmp_path_factory.mktemp("study")
+    work = tmp_path_factory.mktemp("failing")
     synth = write_synthetic(work / "synth.npz")
-    write_params(work, tiny_params(synth, study=STUDY, methods=METHODS, rounds=ROUNDS, checkpoint_every=1))
+    params = tiny_params({**synth, "n_channels": 1}, study="bad", methods=("fedavg",))
+    write_params(work, params)
     env = _env(work)
+    out = open(work / "snakemake.out", "w")
+    proc = subprocess.Popen(_slurm_cmd(snap, user, work), cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT)
+    out.close()
+    yield {"work": work, "env": env, "params": params, "proc": proc}
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
 
-    # 1. locally, 1 thread per training job as on the cluster (results depend on the thread count)
-    run([tool("snakemake"), "-s", str(snap / "Snakefile"), "--directory", str(work), "--cores", "2",
-         "--set-threads", "train=1"], cwd=work, env=env, merge=True)
-    local = tmp_path_factory.mktemp("local-runs")
-    for m in METHODS:
-        shutil.copytree(_run_dir(work, m), local / m)
-    # training, evaluation and report again, through SLURM; the data and the MLflow parent stay
-    shutil.rmtree(work / "results" / STUDY / "runs")
-    shutil.rmtree(work / "results" / STUDY / "report")
 
-    # 2. through SLURM
-    out_file = work / "slurm-run.out"
+def _finish(proc: subprocess.Popen, out_file: Path, timeout: float = 500) -> str:
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return out_file.read_text()
+
+
+@pytest.fixture(scope="module")
+def study(cluster, workflow, failing, tmp_path_factory):
+    """The study through SLURM, with the FedAvg training cancelled once after its first
+    checkpoint, and meanwhile the same study locally, in another folder. Returns a dict: both
+    folders, the SLURM run's output, the cancelled job's id and the rounds its checkpoint held."""
+    snap, user = workflow
+    data = tmp_path_factory.mktemp("data")
+    params = tiny_params(write_synthetic(data / "synth.npz"), study=STUDY, methods=METHODS, rounds=ROUNDS,
+                         checkpoint_every=1)
+    work, local = tmp_path_factory.mktemp("slurm-study"), tmp_path_factory.mktemp("local-study")
+    for w in (work, local):
+        write_params(w, params)
+
+    out_file = work / "snakemake.out"
     with open(out_file, "w") as out:
-        proc = subprocess.Popen(_slurm_cmd(snap, user, work), cwd=work, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(_slurm_cmd(snap, user, work), cwd=work, env=_env(work), stdout=out,
+                                stderr=subprocess.STDOUT)
+    # the same study locally, 1 thread per training job as on the cluster (results depend on it)
+    with open(local / "snakemake.out", "w") as out:
+        ref = subprocess.Popen([tool("snakemake"), "-s", str(snap / "Snakefile"), "--directory", str(local),
+                                "--cores", "2", "--set-threads", "train=1"], cwd=local, env=_env(local), stdout=out,
+                               stderr=subprocess.STDOUT)
     try:
         ckpt = _run_dir(work, CANCELLED) / "checkpoint.pt"
         deadline = time.monotonic() + 400
@@ -145,17 +170,14 @@ def study(cluster, workflow, tmp_path_factory):
         running = [jid for jid, state, c in _squeue(cluster, "%i", "%T", "%k") if c == comment and state == "RUNNING"]
         assert len(running) == 1, _squeue(cluster, "%i", "%T", "%k")
         subprocess.run(["scancel", running[0]], env=cluster.env(), check=True)
-        cancelled_at = time.monotonic()
         finished_before_cancel = (_run_dir(work, CANCELLED) / "records.parquet").exists()
-        proc.wait(timeout=500)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    text = out_file.read_text()
+        text = _finish(proc, out_file)
+        ref_text = _finish(ref, local / "snakemake.out")
+    assert ref.returncode == 0, ref_text[-6000:]
     assert proc.returncode == 0, text[-6000:]
-    return {"work": work, "env": env, "local": local, "out": text, "cancelled_job": running[0], "held": held,
-            "finished_before_cancel": finished_before_cancel, "cancelled_at": cancelled_at}
+    return {"work": work, "local": local, "out": text, "cancelled_job": running[0], "held": held,
+            "finished_before_cancel": finished_before_cancel}
 
 
 def _submissions(out: str) -> list[tuple[str, str, str]]:
@@ -166,8 +188,9 @@ def _submissions(out: str) -> list[tuple[str, str, str]]:
 def test_every_cluster_job_went_through_sbatch(study, cluster):
     subs = _submissions(study["out"])
     rules = sorted(r for _, r, _ in subs)
-    # 2 trainings (FedAvg twice: cancelled, then resubmitted), 2 evaluations, 1 report
-    assert rules == ["evaluate", "evaluate", "report", "train", "train", "train"], study["out"][-4000:]
+    # the data stages, 2 trainings (FedAvg twice: cancelled, then resubmitted), 2 evaluations, 1 report
+    assert rules == ["evaluate", "evaluate", "partition", "partition_figure", "preprocess", "report", "train", "train",
+                     "train"], study["out"][-4000:]
     states = {jid: state for jid, state in _squeue(cluster, "%i", "%T")}
     for jid, rule, _ in subs:
         expected = "CANCELLED" if jid == study["cancelled_job"] else "COMPLETED"
@@ -184,7 +207,7 @@ def test_every_cluster_job_went_through_sbatch(study, cluster):
 def test_slurm_results_equal_the_local_run(study):
     work, local = study["work"], study["local"]
     for m in METHODS:
-        a, b = local / m, _run_dir(work, m)
+        a, b = _run_dir(local, m), _run_dir(work, m)
         pd.testing.assert_frame_equal(pd.read_parquet(a / "records.parquet"), pd.read_parquet(b / "records.parquet"))
         ra, rb = (pd.read_parquet(d / "rounds.parquet").drop(columns=TIMING_COLUMNS) for d in (a, b))
         pd.testing.assert_frame_equal(ra, rb)
@@ -226,18 +249,14 @@ def test_a_cancelled_training_job_is_resubmitted_and_resumes(study):
           f"resubmitted as {trains[1]}, resumed at round {resumed[0]}")
 
 
-def test_a_job_time_error_is_tried_retries_plus_one_times_and_its_line_shown(cluster, workflow, tmp_path):
-    """A custom data set declared with 1 channel whose file has 3: the params pass the DAG-time
-    check (it does not read the file), the preprocess job on the cluster stops with one line."""
+def test_a_job_time_error_is_tried_retries_plus_one_times_and_its_line_shown(cluster, workflow, failing):
+    """The failing study (fixture ``failing``): its preprocess job is tried retries + 1 times,
+    each stopping with the same line, then Snakemake stops and shows it."""
     snap, user = workflow
     retries = yaml.safe_load((snap / "profiles" / "slurm" / "profile.yaml").read_text())["retries"]
-    synth = write_synthetic(tmp_path / "synth.npz")
-    params = tiny_params({**synth, "n_channels": 1}, study="bad", methods=("fedavg",))
-    write_params(tmp_path, params)
-    env = _env(tmp_path)
-    proc = run(_slurm_cmd(snap, user, tmp_path), cwd=tmp_path, env=env, check=False, merge=True, timeout=500)
-    out = proc.stdout
-    assert proc.returncode != 0
+    work, env, params = failing["work"], failing["env"], failing["params"]
+    out = _finish(failing["proc"], work / "snakemake.out")
+    assert failing["proc"].returncode != 0
     line = "train_images has 3 channels; the data set's metadata says 1"
     assert line in out, out[-4000:]  # the job's one error line, shown by Snakemake (show-failed-logs)
     subs = _submissions(out)
@@ -246,7 +265,7 @@ def test_a_job_time_error_is_tried_retries_plus_one_times_and_its_line_shown(clu
     # a params error Snakemake's DAG-time check sees stops before any submission
     before = {jid for (jid,) in _squeue(cluster, "%i")}
     params["train"]["roundz"] = 3
-    write_params(tmp_path, params)
-    proc = run(_slurm_cmd(snap, user, tmp_path), cwd=tmp_path, env=env, check=False, merge=True, timeout=300)
+    write_params(work, params)
+    proc = run(_slurm_cmd(snap, user, work), cwd=work, env=env, check=False, merge=True, timeout=300)
     assert proc.returncode != 0 and "roundz" in proc.stdout and not _submissions(proc.stdout), proc.stdout[-3000:]
     assert {jid for (jid,) in _squeue(cluster, "%i")} == before
