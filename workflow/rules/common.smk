@@ -25,11 +25,80 @@ def gpu_jobs():
     return value if isinstance(value, int) and value > 0 else 1
 
 
-# Threads per training job (Snakemake runs as many jobs at once as cores allow). Measured on
-# the default study (2 cores, cnn4): one 2-thread job at a time and two 1-thread jobs in
-# parallel train at the same rate, and the former leaves no lone 1-thread job at the end.
-# With --resources gpu=N the cores are split over the N GPU jobs, so N of them fit at once.
-TRAIN_THREADS = max(1, min(int(workflow.cores or 1) // gpu_jobs(), 8))
+# Threads per training job. On this machine (Snakemake runs as many jobs at once as cores
+# allow), measured on the default study (2 cores, cnn4): one 2-thread job at a time and two
+# 1-thread jobs in parallel train at the same rate, and the former leaves no lone 1-thread job at
+# the end. With --resources gpu=N the cores are split over the N GPU jobs, so N of them fit at
+# once. On a cluster there are no local cores to split: each training job asks for
+# CLUSTER_TRAIN_THREADS CPUs (--cpus-per-gpu, or --cpus-per-task without a GPU; profiles/slurm
+# sets it, --set-threads train=N changes it). The executor is not known while the Snakefile is
+# read, so "a cluster" is: no --cores (--executor slurm takes -j/--jobs) or a job step started
+# by the cluster executor (exec mode remote). Both then compute the same value, so
+# `medpfl train --threads` is the number of CPUs the job was given.
+CLUSTER_TRAIN_THREADS = 4
+ON_CLUSTER = workflow.remote_exec or workflow.resource_settings.cores is None
+if ON_CLUSTER:
+    TRAIN_THREADS = CLUSTER_TRAIN_THREADS
+else:
+    TRAIN_THREADS = max(1, min(int(workflow.cores or 1) // gpu_jobs(), 8))
+
+
+# Cluster resources of a training job (used by --executor slurm as --mem and --time; a local run
+# ignores them unless --resources mem_mb=... limits it). Both grow with the attempt, so a job
+# killed for its memory or time limit is resubmitted (--retries) with more, and resumes from its
+# checkpoint.
+#
+# Memory (MB) = 4096 + 16 x the inputs' size (MB), rounded up to 1024. Basis: the measured peak
+# resident set of CPU training runs (rounds.parquet peak_memory_bytes) is 0.7-1.5 GB with 40-55 MB
+# of processed data (BloodMNIST cnn4, MNIST mlp/mlr); a CUDA process holds another 1-3 GB of host
+# memory for the CUDA libraries; the data are uint8 on disk and float32 in memory (x4), with room
+# for a second copy while they move to the device and the clients' views.
+TRAIN_MEM_BASE_MB = 4096
+TRAIN_MEM_PER_INPUT_MB = 16
+
+# Runtime (minutes) = 20 + rounds x (round seconds + 10) / 60, capped at TRAIN_RUNTIME_CAP_MIN, where
+# round seconds = clients per round x local epochs x (processed MB / clients) x TRAIN_COST[model]:
+# the data a round trains on (each sampled client holds 1/K of the data set on average) times
+# the model's seconds per MB of processed data per epoch. TRAIN_COST is 4-5 x what one CPU thread
+# took in our archived runs (2-core AMD EPYC VM): cnn4 on BloodMNIST 1.1 s/MB (22 s a round of 2
+# clients x 5 epochs x 2 MB), mlp 0.007 and mlr 0.002 s/MB on MNIST; a GPU is faster. The other
+# models were not measured: 20 s/MB, 4 x cnn4's margin. 10 s a round covers the evaluation.
+# A run longer than the cap is stopped by SLURM at the cap and resumed by the next attempt from
+# its last checkpoint (train.checkpoint_every), so it finishes within --retries + 1 attempts only
+# when it checkpoints; raise the cap with --set-resources train:runtime=<minutes>.
+TRAIN_COST = {"mlr": 0.01, "mlp": 0.05, "cnn4": 5.0, "cnn4bn": 5.0, "simplecnn": 5.0}
+TRAIN_COST_OTHER = 20.0
+TRAIN_RUNTIME_CAP_MIN = 24 * 60
+
+
+# Memory (MB) of the other stages on a cluster (preprocess, partition, partition figure, evaluate,
+# report): attempt x max(2048, 1024 + 8 x the inputs' MB). Basis: their measured peak resident
+# sets on the tests' small study are 150-490 MB (report the largest), BloodMNIST's processed data
+# is 40 MB on disk; Snakemake's own default (2 x inputs, at least 1000 MB) is too close to the
+# report's peak.
+def stage_mem_mb(wildcards, input, attempt):
+    """Memory of a data, evaluation or report job in MB: ``attempt`` x max(2048, 1024 + 8 x the
+    size of its inputs in MB)."""
+    return attempt * max(2048, 1024 + 8 * int(input.size_mb))
+
+
+def train_mem_mb(wildcards, input, attempt):
+    """Memory of one training job in MB (see TRAIN_MEM_BASE_MB): ``attempt`` x (4096 + 16 x the
+    size of its inputs in MB), rounded up to a multiple of 1024."""
+    mb = TRAIN_MEM_BASE_MB + TRAIN_MEM_PER_INPUT_MB * input.size_mb
+    return attempt * 1024 * -(-int(mb) // 1024)
+
+
+def train_runtime(wildcards, input, attempt):
+    """Runtime limit of one training job in minutes (see TRAIN_COST): ``attempt`` x the estimate
+    from its job's rounds, clients per round, local epochs, model and data size, at most
+    TRAIN_RUNTIME_CAP_MIN."""
+    job = train_job(PARAMS, wildcards.dataset, wildcards.partition, wildcards.method, int(wildcards.seed))
+    train, clients = job["train"], job["num_clients"]
+    per_round = max(1, int(train["participation"] * clients)) * train["local_epochs"]
+    per_round *= input.size_mb / clients * TRAIN_COST.get(train["model"], TRAIN_COST_OTHER)
+    minutes = 20 + train["rounds"] * (per_round + 10) / 60
+    return min(TRAIN_RUNTIME_CAP_MIN, int(attempt * minutes) + 1)
 
 
 wildcard_constraints:

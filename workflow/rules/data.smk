@@ -1,6 +1,11 @@
 # download -> preprocess -> partition
 
 
+# On a cluster the download runs on the submitting machine (compute nodes often have no internet).
+localrules:
+    download,
+
+
 # The raw file keeps the release's format: data/raw/<dataset>.npz, or .tar.gz for the CIFAR
 # archives (raw_file(): DatasetSpec.raw_filename).
 rule download:
@@ -27,6 +32,8 @@ rule preprocess:
     params:
         job=dataset_json,
         code=code_hash("data"),
+    resources:
+        mem_mb=stage_mem_mb,
     log:
         "logs/preprocess/{dataset}.log",
     conda:
@@ -46,6 +53,8 @@ rule partition:
     params:
         job=partition_json,
         code=code_hash("data"),
+    resources:
+        mem_mb=stage_mem_mb,
     log:
         "logs/partition/{dataset}/{partition}.log",
     conda:
@@ -70,6 +79,8 @@ rule partition_figure:
         ),
     params:
         code=code_hash("report/partition_figure.py"),
+    resources:
+        mem_mb=stage_mem_mb,
     log:
         "logs/partition_figure/{dataset}/{partition}.log",
     conda:

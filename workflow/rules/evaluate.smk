@@ -14,6 +14,8 @@ rule evaluate:
         curves=f"{RUN_DIR}/curves.png",
     params:
         code=code_hash("metrics.py", "evaluate.py"),
+    resources:
+        mem_mb=stage_mem_mb,
     log:
         f"{RUN_DIR}/evaluate.log",
     conda:

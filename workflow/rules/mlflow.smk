@@ -2,6 +2,10 @@
 # store migrated by parallel processes crashes). Depends only on the study name, so adding a
 # method or editing a parameter keeps the parent and trains only what changed.
 
+# On a cluster it runs on the submitting machine: one small job per study, not worth a queue wait.
+localrules:
+    mlflow_init,
+
 
 rule mlflow_init:
     output:

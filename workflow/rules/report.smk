@@ -49,6 +49,8 @@ rule report:
         code=code_hash("report"),
         paper=f"--paper-table {PARAMS.report.paper_table}" if PARAMS.report.paper_table else "",
         reference=f"--reference {PARAMS.report.reference}" if PARAMS.report.reference else "",
+    resources:
+        mem_mb=stage_mem_mb,
     log:
         "logs/report/{study}.log",
     conda:

@@ -19,8 +19,13 @@ rule train:
         job=train_json,
         code=train_code_hash,
     threads: TRAIN_THREADS
+    # gpu: 1 with a local GPU (profiles/slurm asks for it on a cluster); the rest is read by
+    # --executor slurm only (common.smk): --mem, --time and, for a GPU job, --cpus-per-gpu.
     resources:
         gpu=1 if HAS_GPU else 0,
+        mem_mb=train_mem_mb,
+        runtime=train_runtime,
+        cpus_per_gpu=lambda wildcards, threads: threads,
     log:
         f"{RUN_DIR}/train.log",
     conda:
