@@ -261,6 +261,44 @@ def test_sixteen_training_processes_log_to_the_server_and_nothing_is_lost(tmp_pa
     assert open_at_once >= 8  # the writers overlapped (16 of 16 on 2 loaded cores, 2026-11-26)
 
 
+def _post(port: int, host_header: str, origin: str) -> int:
+    """The HTTP status of the UI's runs search (a POST, as the browser sends it) on the server at
+    127.0.0.1:``port``, with the ``Host`` and ``Origin`` headers of a browser elsewhere."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/ajax-api/2.0/mlflow/runs/search", method="POST",
+                                 data=json.dumps({"experiment_ids": ["0"], "max_results": 1}).encode(),
+                                 headers={"Host": host_header, "Origin": origin, "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+@pytest.mark.slow
+def test_a_server_on_every_interface_answers_by_the_machine_name(server_dir):
+    """``--host 0.0.0.0``: the tracking URI names the machine, and MLflow 3's security middleware
+    accepts that name as the ``Host`` of jobs and as the ``Origin`` of a browser (without it the
+    UI's POSTs get 403 and its runs list stays empty); another name is still refused."""
+    port = ts.free_port("0.0.0.0")
+    try:
+        rec = ts.start(server_dir, host="0.0.0.0", port=port)
+    except PostgresUnavailable as e:
+        pytest.skip(f"PostgreSQL cannot run here: {e}")
+    try:
+        name = ts.client_host("0.0.0.0")
+        assert rec["tracking_uri"] == f"http://{name}:{port}" and rec["local_uri"] == f"http://127.0.0.1:{port}"
+        assert _post(port, f"{name}:{port}", f"http://{name}:{port}") == 200
+        assert _post(port, f"localhost:{port}", f"http://localhost:{port}") == 200
+        assert _post(port, f"{name}:{port}", "http://elsewhere.example") == 403
+        assert _post(port, f"elsewhere.example:{port}", f"http://{name}:{port}") == 403
+    finally:
+        assert ts.stop(server_dir)["stopped"] == ["mlflow", "postgres"]
+    assert _closed("127.0.0.1", port)
+
+
 # ----- fast: errors and pieces that need no PostgreSQL -----------------------------------------
 def test_a_port_in_use_is_one_line_and_creates_nothing(tmp_path, capsys):
     with socket.socket() as s:
@@ -331,6 +369,9 @@ def test_tracking_uri_and_allowed_hosts_for_a_wildcard_address():
     assert ts.default_allowed_hosts("127.0.0.1") is None  # MLflow's own default
     allowed = ts.default_allowed_hosts("0.0.0.0")
     assert socket.gethostname() in allowed and f"{socket.gethostname()}:*" in allowed and "localhost:*" in allowed
+    assert ts.default_cors_origins("127.0.0.1", 5000) is None
+    assert f"http://{socket.gethostname()}:5000" in ts.default_cors_origins("0.0.0.0", 5000)
+    assert ts.default_cors_origins("10.1.2.3", 5000)[-1] == "http://10.1.2.3:5000"
     assert ts.backend_uri(Path("/srv/t s/postgres/socket")) == \
         "postgresql://postgres@/mlflow?host=/srv/t%20s/postgres/socket&port=5432"
 

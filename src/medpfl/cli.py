@@ -222,7 +222,8 @@ def cmd_tracking_server(a) -> int:
 
     if a.action == "start":
         rec = ts.start(a.dir, host=a.host, port=a.port, workers=a.workers, timeout=a.timeout,
-                       allowed_hosts=a.allowed_hosts.split(",") if a.allowed_hosts else None)
+                       allowed_hosts=a.allowed_hosts.split(",") if a.allowed_hosts else None,
+                       cors_origins=a.cors_allowed_origins.split(",") if a.cors_allowed_origins else None)
         pg, m = rec["postgres"], rec["mlflow"]
         verb = "started" if rec["started"] else "already running"
         print(f"tracking server in {rec['folder']}: {verb}" + (f" ({', '.join(rec['started'])})" if rec["started"] else ""))
@@ -486,6 +487,9 @@ def build_parser() -> argparse.ArgumentParser:
             a_.add_argument("--allowed-hosts", metavar="LIST", help="comma-separated Host headers the server "
                             "accepts (mlflow server --allowed-hosts; default: localhost and private addresses, "
                             "plus this machine's names when --host is not a loopback address)")
+            a_.add_argument("--cors-allowed-origins", metavar="LIST", help="comma-separated origins a browser may "
+                            "use the UI from (mlflow server --cors-allowed-origins; default: localhost, plus "
+                            "http://<this machine's names>:PORT when --host is not a loopback address)")
 
     s = command("check-params", cmd_check_params)
     s.add_argument("params", nargs="?", default="params.yaml", help="the params file (default: %(default)s)")

@@ -247,8 +247,24 @@ def default_allowed_hosts(host: str) -> list[str] | None:
         base = list(get_default_allowed_hosts())
     except ImportError:  # another MLflow layout: localhost only, then our names
         base = ["localhost", "localhost:*", "127.0.0.1", "127.0.0.1:*"]
-    names = [n for n in dict.fromkeys([socket.gethostname(), socket.getfqdn(), host]) if n and n not in WILDCARD_HOSTS]
-    return base + [x for n in names for x in (n, f"{n}:*")]
+    return base + [x for n in _machine_names(host) for x in (n, f"{n}:*")]
+
+
+def _machine_names(host: str) -> list[str]:
+    """This machine's short and fully qualified names and ``host``, once each; no wildcard address
+    and no ``localhost`` (which MLflow allows anyway)."""
+    return [n for n in dict.fromkeys([socket.gethostname(), socket.getfqdn(), host])
+            if n and n not in WILDCARD_HOSTS and not n.startswith("localhost")]
+
+
+def default_cors_origins(host: str, port: int) -> list[str] | None:
+    """The ``--cors-allowed-origins`` list for a server bound to ``host:port``: None (MLflow's
+    default: ``localhost`` origins only) for a loopback address, else ``http://<name>:<port>`` for
+    this machine's names and ``host``. Without it a browser that opened the UI by the machine's
+    name gets 403 on every POST the UI sends (MLflow 3.17.2: the runs list stays empty)."""
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return None
+    return [f"http://{_url_host(n)}:{port}" for n in _machine_names(host)]
 
 
 # ----- PostgreSQL ------------------------------------------------------------------------------
@@ -457,7 +473,8 @@ def _check_folder(root: Path) -> None:
 
 
 def start(folder: str | Path, host: str = "127.0.0.1", port: int = DEFAULT_PORT, workers: int = 1,
-          timeout: float = 180.0, allowed_hosts: list[str] | None = None) -> dict:
+          timeout: float = 180.0, allowed_hosts: list[str] | None = None,
+          cors_origins: list[str] | None = None) -> dict:
     """Start (creating what is missing) the PostgreSQL-backed MLflow tracking server in ``folder``.
 
     Creates the folder and the PostgreSQL cluster on first use (``initdb`` as ``postgres`` when
@@ -466,7 +483,8 @@ def start(folder: str | Path, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
     group; MLflow's job runner off: ``MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false`` unless set),
     waits up to ``timeout`` seconds for ``/health`` and writes ``folder/server.json``.
     ``allowed_hosts``: the Host headers the server accepts (default
-    :func:`default_allowed_hosts`). A server already running there is left as it is.
+    :func:`default_allowed_hosts`); ``cors_origins``: the origins a browser may send requests
+    from (default :func:`default_cors_origins`). A server already running there is left as it is.
 
     Returns the record (``tracking_uri``, ``mlflow``: pid, pgid, port, ...; ``postgres``: bin,
     data, socket, pid, ...; ``started``: what this call started). Raises
@@ -500,6 +518,9 @@ def start(folder: str | Path, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
     allowed = allowed_hosts if allowed_hosts is not None else default_allowed_hosts(host)
     if allowed:
         cmd += ["--allowed-hosts", ",".join(allowed)]
+    origins = cors_origins if cors_origins is not None else default_cors_origins(host, port)
+    if origins:
+        cmd += ["--cors-allowed-origins", ",".join(origins)]
     env = {**os.environ, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false"}
     env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
     for var in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID"):
