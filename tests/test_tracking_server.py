@@ -299,6 +299,23 @@ def test_a_server_on_every_interface_answers_by_the_machine_name(server_dir):
     assert _closed("127.0.0.1", port)
 
 
+@pytest.mark.slow
+def test_a_server_that_does_not_come_up_in_time_leaves_nothing_running(server_dir):
+    """An MLflow server that misses ``/health`` within the timeout: one error naming the URL and
+    the log, and what that call started (MLflow's process group, PostgreSQL) is stopped again."""
+    port = ts.free_port()
+    with pytest.raises(TrackingServerError) as e:
+        ts.start(server_dir, port=port, timeout=1.0)
+    if isinstance(e.value, PostgresUnavailable):
+        pytest.skip(f"PostgreSQL cannot run here: {e.value}")
+    assert f"did not answer http://127.0.0.1:{port}/health within 1 s" in str(e.value) and "mlflow.log" in str(e.value)
+    assert not (server_dir / ts.STATE_FILE).exists()
+    assert not (server_dir / "postgres" / "data" / "postmaster.pid").exists()  # PostgreSQL stopped again
+    assert not (server_dir / "postgres" / "socket" / f".s.PGSQL.{ts.PG_PORT}").exists()
+    assert _closed("127.0.0.1", port)
+    assert (server_dir / "postgres" / "data" / "PG_VERSION").is_file()  # the cluster stays, for the next start
+
+
 # ----- fast: errors and pieces that need no PostgreSQL -----------------------------------------
 def test_a_port_in_use_is_one_line_and_creates_nothing(tmp_path, capsys):
     with socket.socket() as s:

@@ -426,11 +426,16 @@ def _ensure_postgres(p: dict[str, Path], pg_bin: Path, pg_user: str | None) -> t
                                       f"{r.returncode}){_log_tail(p['pg_log'])}")
         started = True
     conn = ["-h", str(p["socket"]), "-p", str(PG_PORT), "-U", DB_ROLE]
-    q = _as_pg_user([str(pg_bin / "psql"), *conn, "-d", "postgres", "-tAc",
-                     f"SELECT 1 FROM pg_database WHERE datname = '{DATABASE}'"], pg_user, p["pg"],
-                    what=f"psql on {p['socket']}")
-    if q.stdout.strip() != "1":
-        _as_pg_user([str(pg_bin / "createdb"), *conn, DATABASE], pg_user, p["pg"], what=f"createdb {DATABASE}")
+    try:
+        q = _as_pg_user([str(pg_bin / "psql"), *conn, "-d", "postgres", "-tAc",
+                         f"SELECT 1 FROM pg_database WHERE datname = '{DATABASE}'"], pg_user, p["pg"],
+                        what=f"psql on {p['socket']}")
+        if q.stdout.strip() != "1":
+            _as_pg_user([str(pg_bin / "createdb"), *conn, DATABASE], pg_user, p["pg"], what=f"createdb {DATABASE}")
+    except BaseException:
+        if started:  # leave nothing running that this call started
+            _stop_postgres(pg_bin, p, pg_user)
+        raise
     return created, started
 
 
@@ -535,7 +540,7 @@ def start(folder: str | Path, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
         wait_healthy(base, proc, timeout, p["mlflow_log"])
     except BaseException:
         stop_process_group(proc.pid)
-        with contextlib.suppress(ChildProcessError):
+        with contextlib.suppress(ChildProcessError, subprocess.TimeoutExpired):
             proc.wait(5)
         if pg_started:
             _stop_postgres(pg_bin, p, pg_user)
