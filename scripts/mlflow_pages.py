@@ -28,14 +28,12 @@ import argparse
 import contextlib
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
+
+from medpfl.tracking_server import free_port, stop_process_group, wait_healthy  # free_port: for the tests too
 
 #: The flags headless Chromium needs here: root (no sandbox), no GPU, and no background
 #: connections (the machine's closed network refuses them, many at a time).
@@ -49,50 +47,33 @@ def chromium() -> str | None:
     return os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (bound and released; a race with another process is possible
-    but harmless here: the server start then fails with a clear error)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def mlflow_server(uri: str, port: int | None = None, timeout: float = 120.0):
     """Start ``mlflow ui`` for the store ``uri`` on 127.0.0.1 and yield its base URL; on exit stop
-    exactly the process group it started (SIGTERM, then SIGKILL after 10 s).
+    exactly the process group it started (SIGTERM, then SIGKILL after 10 s). A store that is
+    itself a tracking server (``http://...``, e.g. ``medpfl tracking-server``) is yielded as it is.
 
-    Raises RuntimeError (with the server's last output) when it does not answer ``/health`` within
-    ``timeout`` seconds."""
+    Raises :class:`medpfl.errors.TrackingServerError` (with the server's last output) when it does
+    not answer ``/health`` within ``timeout`` seconds. The start, the wait and the stop are
+    :mod:`medpfl.tracking_server`'s (``free_port``, ``wait_healthy``, ``stop_process_group``)."""
+    if uri.startswith(("http://", "https://")):
+        yield uri.rstrip("/")
+        return
     port = port or free_port()
-    log = tempfile.TemporaryFile()
-    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1",
-                             "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false"})
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + timeout
-        while True:
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.time() > deadline:
-                log.seek(0)
-                raise RuntimeError(f"mlflow ui on port {port} did not start: {log.read()[-2000:].decode(errors='replace')}")
-            time.sleep(0.5)
-        yield base
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        log.close()
+    with tempfile.TemporaryDirectory() as tmp:
+        log_file = Path(tmp) / "mlflow-ui.log"
+        with open(log_file, "wb") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host",
+                                     "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True,
+                                    env={**os.environ, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false"})
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}", proc, timeout, log_file, what=f"mlflow ui on port {port}")
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            stop_process_group(proc.pid, timeout=10)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5)
 
 
 @contextlib.contextmanager

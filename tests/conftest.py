@@ -171,6 +171,16 @@ def prepare_train_job(folder, *, method, seed=1, counts=(200, 20, 60), data_seed
     ``partition.parquet`` over ``num_clients`` and, with ``mlflow``, a study parent
     (``parent.json``, SQLite store ``mlruns.db``). ``train`` overrides the params' train section.
     Returns ``(job, tracking uri or None)``."""
+    jobs, uri = prepare_train_jobs(folder, methods=(method,), seeds=(seed,), counts=counts, data_seed=data_seed,
+                                   num_clients=num_clients, min_samples=min_samples, train=train, study=study,
+                                   mlflow=mlflow, image_size=image_size)
+    return jobs[0], uri
+
+
+def prepare_train_jobs(folder, *, methods, seeds=(1,), counts=(200, 20, 60), data_seed=2, num_clients=4,
+                       min_samples=10, train=None, study="tests", mlflow=True, image_size=28):
+    """:func:`prepare_train_job` for a study of ``methods`` x ``seeds`` on the same data and
+    partition: returns ``([job for each method, then seed], tracking uri or None)``."""
     from medpfl.compose import validate_params
     from medpfl.config import train_job
     from medpfl.data.partition import build_partition
@@ -187,7 +197,7 @@ def prepare_train_job(folder, *, method, seed=1, counts=(200, 20, 60), data_seed
         "data": {"datasets": ["synth"], "custom": {"synth": {"path": str(d / "synth.npz"), "md5": md5sum(d / "synth.npz"),
                                                              "n_channels": 3, "num_classes": 4}}},
         "partitions": [{"name": "p", "num_clients": num_clients, "alpha": 1.0, "min_samples": min_samples}],
-        "methods": [method], "seeds": [seed],
+        "methods": list(methods), "seeds": list(seeds),
         "train": {"participation": 1.0, "executor": "sequential", "device": "cpu", **(train or {})},
     })
     pool = data.samples[data.samples["split"] == "train"]
@@ -199,4 +209,4 @@ def prepare_train_job(folder, *, method, seed=1, counts=(200, 20, 60), data_seed
 
         uri = f"sqlite:///{d}/mlruns.db"
         init_study(study, study, d / "parent.json", uri=uri, artifact_root=d / "mlartifacts")
-    return train_job(params, "synth", "p", method, seed), uri
+    return [train_job(params, "synth", "p", m, s) for m in methods for s in seeds], uri

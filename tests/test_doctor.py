@@ -90,3 +90,22 @@ def test_doctor_fails_on_bad_params(tmp_path, monkeypatch, capsys):
     (tmp_path / "params.yaml").write_text("train: {rounds: 0}\n")
     assert main(["doctor", "--no-pipeline"]) == 1
     assert "train.rounds" in capsys.readouterr().out
+
+
+def test_doctor_warns_when_the_study_parent_is_in_another_store(tmp_path, monkeypatch, capsys):
+    """After switching stores (to a tracking server, say), the study's jobs keep logging where its
+    parent run is: doctor says so and how to move it; with the same store it is ok."""
+    _setup(tmp_path, monkeypatch)
+    assert main(["mlflow-init", "--study", "default", "--experiment", "t", "--out",
+                 str(tmp_path / "results" / "default" / "mlflow_parent.json")]) == 0
+    capsys.readouterr()
+    assert main(["doctor", "--no-pipeline"]) == 0
+    assert _line(capsys.readouterr().out, "mlflow study").startswith("  ok")
+    server = "http://127.0.0.1:9"  # nothing answers there: the store check fails, the study check warns
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server)
+    assert main(["doctor", "--no-pipeline"]) == 1
+    out = capsys.readouterr().out
+    assert _line(out, "mlflow").startswith("FAIL") and server in _line(out, "mlflow")
+    study = _line(out, "mlflow study")
+    assert study.startswith("warn") and f"not in {server}" in study and "delete" in study, study
+    assert "mlflow_parent.json" in study

@@ -152,7 +152,7 @@ def cmd_ui(a) -> int:
     import webbrowser
 
     from medpfl.io import read_json
-    from medpfl.tracking import TrackingError, publish_study_views, study_children, ui_urls
+    from medpfl.tracking import TrackingError, check_reachable, is_server_uri, publish_study_views, study_children, ui_urls
 
     study = a.study
     if not study:
@@ -165,9 +165,11 @@ def cmd_ui(a) -> int:
                                 "(snakemake --cores all [--configfile config/<study>.yaml])")
     parent = read_json(parent_file)
     uri = parent["tracking_uri"]
-    remote = uri.startswith(("http://", "https://"))
+    remote = is_server_uri(uri)  # a tracking server serves the UI itself: nothing to start
     base = uri if remote else f"http://{a.host}:{a.port}"
     try:
+        if remote:
+            check_reachable(uri)  # at once, rather than after MLflow's client has retried for minutes
         publish_study_views(parent)  # a study tracked by an older medpfl gets its views too
         ids = [r.info.run_id for r in study_children(parent)]
     except TrackingError as e:
@@ -177,7 +179,9 @@ def cmd_ui(a) -> int:
     cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", a.host, "--port", str(a.port)]
     print(f"study {study}: experiment {parent.get('experiment', '?')} (id {parent['experiment_id']}), "
           f"{len(ids)} training runs, store {uri}")
-    if not remote:
+    if remote:
+        print(f"server:   the tracking server {uri} (it serves the UI; nothing to start)")
+    else:
         print("server:   mlflow ui --backend-store-uri " + uri + f" --host {a.host} --port {a.port}")
     print(f"methods:  {urls['experiment']}")
     print("          charts, one entry per method (mean over seeds; curves with the min-max band); "
@@ -208,6 +212,45 @@ def cmd_ui(a) -> int:
     except KeyboardInterrupt:
         proc.terminate()
         return proc.wait()
+
+
+def cmd_tracking_server(a) -> int:
+    """``medpfl tracking-server start|stop|status --dir FOLDER``: an MLflow tracking server backed by
+    PostgreSQL (:mod:`medpfl.tracking_server`); start prints the ``export MLFLOW_TRACKING_URI=...``
+    line for the jobs. Returns 0, or 3 from ``status`` when the server is not (fully) running."""
+    from medpfl import tracking_server as ts
+
+    if a.action == "start":
+        rec = ts.start(a.dir, host=a.host, port=a.port, workers=a.workers, timeout=a.timeout,
+                       allowed_hosts=a.allowed_hosts.split(",") if a.allowed_hosts else None,
+                       cors_origins=a.cors_allowed_origins.split(",") if a.cors_allowed_origins else None)
+        pg, m = rec["postgres"], rec["mlflow"]
+        verb = "started" if rec["started"] else "already running"
+        print(f"tracking server in {rec['folder']}: {verb}" + (f" ({', '.join(rec['started'])})" if rec["started"] else ""))
+        print(f"  MLflow      {rec['tracking_uri']} (pid {m['pid']}, {rec['workers']} worker(s), log {m['log']})")
+        print(f"  PostgreSQL  {pg['version']}, database {pg['database']} in {pg['data']} (socket {pg['socket']}, "
+              f"runs as {pg['user']}, log {pg['log']})")
+        print(f"  artifacts   {rec['artifacts']} (uploaded through the server)")
+        print(f"  stop it:    medpfl tracking-server stop --dir {rec['folder']}")
+        print(f"export MLFLOW_TRACKING_URI={rec['tracking_uri']}")
+        return 0
+    if a.action == "stop":
+        out = ts.stop(a.dir)
+        what = " and ".join({"mlflow": "the MLflow server", "postgres": "PostgreSQL"}[w] for w in out["stopped"])
+        print(f"tracking server in {out['record']['folder']}: " + (f"stopped {what}" if what else "was not running"))
+        return 0
+    st = ts.status(a.dir)
+    rec = st["record"]
+    word = "running" if st["running"] else ("stopped" if not (st["mlflow"] or st["postgres"]) else "partly running")
+    print(f"tracking server in {rec['folder']}: {word}")
+    print(f"  MLflow      {rec['tracking_uri']}: " + (f"up (pid {rec['mlflow']['pid']}, /health ok)" if st["mlflow"]
+                                                        else "down"))
+    print(f"  PostgreSQL  {rec['postgres']['data']}: " + ("up" if st["postgres"] else "down"))
+    print(f"  artifacts   {rec['artifacts']}")
+    print(f"  back up:    {ts.backup_command(rec)}")
+    if st["running"]:
+        print(f"export MLFLOW_TRACKING_URI={rec['tracking_uri']}")
+    return 0 if st["running"] else 3
 
 
 def cmd_check_params(a) -> None:
@@ -248,11 +291,14 @@ Then compare its runs in MLflow:
   medpfl ui [--overlay config/<study>.yaml]
 Before spending hours:
   medpfl check-params [--overlay config/<study>.yaml]      validate the parameters
-  medpfl doctor [--overlay config/<study>.yaml]            check params, data, MLflow, GPU, DVC"""
+  medpfl doctor [--overlay config/<study>.yaml]            check params, data, MLflow, GPU, DVC
+Jobs on many nodes: one MLflow tracking server (PostgreSQL) for all of them:
+  medpfl tracking-server start --dir FOLDER --host 0.0.0.0 then export the MLFLOW_TRACKING_URI it prints"""
 
 #: (name, one-line help) of the commands a person runs, in the order --help lists them.
 USER_COMMANDS = {
     "ui": "compare a study's methods in the MLflow UI (prints its links: methods, table, runs, compare; serves mlflow ui)",
+    "tracking-server": "start, stop or show an MLflow tracking server backed by PostgreSQL, for jobs on many nodes",
     "check-params": "validate params.yaml (+ overlays) and exit",
     "doctor": "check params, data MD5s, MLflow store, GPU, DVC and Snakemake state",
     "sync": "after git checkout: dvc checkout, then snakemake --touch",
@@ -414,6 +460,36 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--browser", action="store_true", help="open the runs link in a browser once the server answers")
     s.add_argument("--max-compare", type=int, default=100, metavar="N",
                    help="at most this many runs in the compare link (default: %(default)s)")
+
+    s = command("tracking-server", cmd_tracking_server, epilog=textwrap.fill(
+        "start creates FOLDER on first use (a PostgreSQL cluster in FOLDER/postgres, initdb as the postgres user "
+        "when run as root; artifacts in FOLDER/artifacts, uploaded through the server), starts PostgreSQL on its "
+        "own Unix socket and mlflow server on HOST:PORT, records both in FOLDER/server.json and prints the "
+        "export MLFLOW_TRACKING_URI=... line for the jobs. stop stops exactly what start started; status exits "
+        "3 when the server is not running. See docs/cluster.md.", break_on_hyphens=False))
+    ts_sub = s.add_subparsers(dest="action", required=True, metavar="{start,stop,status}",
+                              help="start the server (creating it on first use), stop it, or show its state")
+    for action, text in (("start", "start the PostgreSQL-backed MLflow tracking server in --dir"),
+                         ("stop", "stop what start started in --dir (the MLflow server, then PostgreSQL)"),
+                         ("status", "show whether the server in --dir runs (exit status 3 when not)")):
+        a_ = ts_sub.add_parser(action, description=text[0].upper() + text[1:] + ".", help=text)
+        a_.add_argument("--dir", required=True, metavar="FOLDER",
+                        help="the server's folder: server.json, postgres/ (database), artifacts/, logs")
+        if action == "start":
+            a_.add_argument("--host", default="127.0.0.1", help="address the MLflow server listens on: 0.0.0.0 for "
+                            "jobs on other nodes (default: %(default)s)")
+            a_.add_argument("--port", type=int, default=5000, help="port the MLflow server listens on "
+                            "(default: %(default)s)")
+            a_.add_argument("--workers", type=int, default=1, metavar="N", help="MLflow server worker processes, "
+                            "about 250 MB each (default: %(default)s)")
+            a_.add_argument("--timeout", type=float, default=180.0, metavar="S", help="seconds to wait for the "
+                            "server's /health (default: %(default)s)")
+            a_.add_argument("--allowed-hosts", metavar="LIST", help="comma-separated Host headers the server "
+                            "accepts (mlflow server --allowed-hosts; default: localhost and private addresses, "
+                            "plus this machine's names when --host is not a loopback address)")
+            a_.add_argument("--cors-allowed-origins", metavar="LIST", help="comma-separated origins a browser may "
+                            "use the UI from (mlflow server --cors-allowed-origins; default: localhost, plus "
+                            "http://<this machine's names>:PORT when --host is not a loopback address)")
 
     s = command("check-params", cmd_check_params)
     s.add_argument("params", nargs="?", default="params.yaml", help="the params file (default: %(default)s)")

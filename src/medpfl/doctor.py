@@ -3,7 +3,9 @@ Snakemake with DVC after switching versions.
 
 Checks: the params file validates; each data set's raw file is present with the official MD5
 (or a mirror has it, or the network will be needed); the MLflow store answers (a SQLite store
-that does not exist yet is reported missing, never created); a GPU is
+that does not exist yet is reported missing, never created; a tracking server answers
+``/health`` and a search through its API, so its database is up too), and the study's parent
+run is in that store; a GPU is
 visible (informational); DVC's stages are up to date and Snakemake has nothing to do. Each
 check prints ``ok``, ``warn`` or ``FAIL`` with what to do; the exit status is 1 if any failed.
 """
@@ -94,13 +96,59 @@ def check_mlflow(in_project: bool = True) -> Check:
     try:
         check_reachable(uri)
         if uri.startswith(("http://", "https://")):
-            return Check("mlflow", "ok", f"{uri} answers")
+            server_api_readable(uri)
+            return Check("mlflow", "ok", f"{uri} answers (a tracking server: /health and its database)")
         from mlflow.tracking import MlflowClient
 
         MlflowClient(uri).search_experiments(max_results=1)
         return Check("mlflow", "ok", f"{uri} readable")
     except (TrackingError, Exception) as e:
         return Check("mlflow", "FAIL", f"{uri}: {e}")
+
+
+def server_api_readable(uri: str, timeout: float = 10.0) -> None:
+    """Search one experiment through the REST API of the tracking server at ``uri`` (one request,
+    no retries: MLflow's client retries a failing server for minutes). ``/health`` answers
+    without the database; this request needs it. Raises :class:`~medpfl.errors.TrackingError`
+    with the server's answer when it fails."""
+    import urllib.error
+    import urllib.request
+
+    from medpfl.errors import TrackingError
+
+    url = uri.rstrip("/") + "/api/2.0/mlflow/experiments/search?max_results=1"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        body = " ".join(e.read().decode(errors="replace").split())[:300]
+        raise TrackingError(f"{uri} answers /health but its API fails (HTTP {e.code} on {url}: {body}); "
+                            "is its database up? (medpfl tracking-server status --dir ...)") from None
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise TrackingError(f"{uri}: the API request {url} failed ({e})") from None
+
+
+def check_study_store(params, root: Path) -> Check | None:
+    """Is the study's MLflow parent run (``results/<study>/mlflow_parent.json``) in the store new
+    runs would use (``$MLFLOW_TRACKING_URI``, else ``mlruns.db`` here)? Every job logs where its
+    parent is, so after switching stores (to a tracking server, say) the study stays in the old
+    one until the parent file is deleted. None when the study has no parent yet."""
+    from medpfl.tracking import default_tracking_uri
+
+    parent_file = root / "results" / params.study / "mlflow_parent.json"
+    if not parent_file.is_file():
+        return None
+    try:
+        parent_uri = json.loads(parent_file.read_text())["tracking_uri"]
+    except (ValueError, KeyError, TypeError) as e:
+        return Check("mlflow study", "FAIL", f"{parent_file}: unreadable ({e}); delete it (the mlflow_init job "
+                     "writes it again)")
+    uri = default_tracking_uri(root)
+    if parent_uri == uri:
+        return Check("mlflow study", "ok", f"study {params.study}'s parent run is in {uri}")
+    return Check("mlflow study", "warn", f"study {params.study}'s parent run ({parent_file}) is in {parent_uri}, not "
+                 f"in {uri}: its jobs keep logging to {parent_uri}. To track it in {uri}, delete {parent_file} "
+                 "(the mlflow_init job creates a parent there; the runs already logged stay where they are)")
 
 
 def check_gpu() -> Check:
@@ -147,6 +195,8 @@ def doctor(params_file: Path = Path("params.yaml"), overlays: list[str] = (), pi
     if params is not None:
         checks += check_data(params, root)
     checks.append(check_mlflow(in_project=Path(params_file).is_file()))
+    if params is not None and (study := check_study_store(params, root)) is not None:
+        checks.append(study)
     checks.append(check_gpu())
     if pipeline and params is not None:
         checks += check_pipeline(root, list(overlays))

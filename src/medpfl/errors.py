@@ -62,6 +62,17 @@ class TrackingError(RuntimeError):
     """The MLflow store cannot be reached or written; the message names the URI."""
 
 
+class TrackingServerError(TrackingError):
+    """``medpfl tracking-server`` cannot start, stop or read a tracking server
+    (:mod:`medpfl.tracking_server`): a port in use, PostgreSQL missing, a folder not writable, a
+    server that does not come up; the message names the folder, port or program."""
+
+
+class PostgresUnavailable(TrackingServerError):
+    """PostgreSQL cannot run here: its programs are missing (the message names the Debian
+    package), ``initdb`` or ``pg_ctl start`` fails, or the ``postgres`` user cannot reach the folder."""
+
+
 class GpuError(RuntimeError):
     """No GPU could be assigned to a training job (:mod:`medpfl.gpus`): a malformed
     ``MEDPFL_GPUS`` or ``MEDPFL_GPU_WAIT``, or every GPU still locked by other jobs when the wait

@@ -1,8 +1,11 @@
 """MLflow tracking: one parent run per study, one child run per training job.
 
 Tracking URI: ``$MLFLOW_TRACKING_URI``, else ``sqlite:///<project>/mlruns.db`` (the MLflow 3
-file store is deprecated and raises since 3.13). Artifacts go to ``<project>/mlartifacts/``
-for experiments created here. The ``mlflow-init`` stage creates the store, the experiment and
+file store is deprecated and raises since 3.13). With a SQLite (or other database) store,
+artifacts go to ``<project>/mlartifacts/`` for experiments created here; with a tracking server
+(``http://host:port``, e.g. ``medpfl tracking-server``: :mod:`medpfl.tracking_server`) the server
+chooses their location (``mlflow-artifacts:/`` when it serves artifacts) and every upload goes
+through it, so jobs on other nodes need no shared artifact folder. The ``mlflow-init`` stage creates the store, the experiment and
 the parent run once, before parallel training jobs start (a fresh SQLite store migrated by
 several processes at once crashes; ``docs/pipeline.md``), and writes ``parent.json``; every
 child reads the URI and ids from that file, so all jobs of a study land in the same store.
@@ -65,10 +68,18 @@ def retry(fn, *args, attempts: int = 8, base_delay: float = 0.2, **kwargs):
 
 
 def default_tracking_uri(root: Path | None = None) -> str:
+    """The store new studies are tracked in: ``$MLFLOW_TRACKING_URI`` when set (a tracking server,
+    ``http://host:port``, or a database URI), else ``sqlite:///<root or cwd>/mlruns.db``."""
     uri = os.environ.get("MLFLOW_TRACKING_URI")
     if uri:
         return uri
     return f"sqlite:///{(root or Path.cwd()).resolve() / 'mlruns.db'}"
+
+
+def is_server_uri(uri: str) -> bool:
+    """Whether ``uri`` names an MLflow tracking server (``http://`` or ``https://``) rather than a
+    store the client opens itself (``sqlite:///``, ``postgresql://``, ...)."""
+    return uri.startswith(("http://", "https://"))
 
 
 def _client(uri: str):
@@ -78,8 +89,10 @@ def _client(uri: str):
 
 
 def check_reachable(uri: str, timeout: float = 10.0) -> None:
-    """Fail fast with a clear message if the tracking server or store does not answer."""
-    if uri.startswith(("http://", "https://")):
+    """Fail fast with a clear message if the tracking server or store does not answer: a server's
+    ``/health`` within ``timeout`` seconds (MLflow's own client retries a dead server for minutes),
+    a SQLite file's folder. Raises :class:`TrackingError` naming the URI."""
+    if is_server_uri(uri):
         import urllib.error
         import urllib.request
 
@@ -90,7 +103,8 @@ def check_reachable(uri: str, timeout: float = 10.0) -> None:
                     raise TrackingError(f"MLflow server {uri} answered {r.status} on /health")
         except (urllib.error.URLError, OSError, TimeoutError) as e:
             raise TrackingError(f"MLflow tracking server {uri} is unreachable ({e}); start it "
-                                "(`mlflow server ...`) or set MLFLOW_TRACKING_URI to a reachable store") from None
+                                "(`medpfl tracking-server start --dir ...`, or `mlflow server ...`) or set "
+                                "MLFLOW_TRACKING_URI to a reachable store") from None
     elif uri.startswith("sqlite:///"):
         path = Path(uri[len("sqlite:///"):])
         if not path.parent.exists():
@@ -125,7 +139,12 @@ def init_study(study: str, experiment: str, out: Path, uri: str | None = None,
 
     The parent depends only on the study and experiment names (so editing a parameter or
     adding a method keeps it); the report stage logs the current params and tables to it.
-    Returns the parent record ``{"tracking_uri", "experiment_id", "parent_run_id", "study"}``.
+    A new experiment's artifacts go to ``artifact_root/<experiment>`` (default
+    ``<cwd>/mlartifacts``) in a store the client opens itself; on a tracking server
+    (:func:`is_server_uri`) the server places them unless ``artifact_root`` is given (a local
+    folder there would be written by each job on its own node). Returns the parent record
+    ``{"tracking_uri", "experiment_id", "parent_run_id", "study", "experiment", "mlflow_version"}``.
+    Raises :class:`TrackingError` when the store does not answer.
     """
     import mlflow
 
@@ -134,12 +153,25 @@ def init_study(study: str, experiment: str, out: Path, uri: str | None = None,
     client = _client(uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
-        root = (artifact_root or Path.cwd() / "mlartifacts").resolve()
-        exp_id = client.create_experiment(experiment, artifact_location=(root / experiment).as_uri(),
-                                          tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND, NOTE_TAG: EXPERIMENT_NOTE})
-    else:
+        location = {}
+        if artifact_root is not None or not is_server_uri(uri):
+            root = (artifact_root or Path.cwd() / "mlartifacts").resolve()
+            location = {"artifact_location": (root / experiment).as_uri()}
+        try:
+            exp_id = client.create_experiment(experiment, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND,
+                                                                NOTE_TAG: EXPERIMENT_NOTE}, **location)
+        except Exception:  # another study's mlflow-init created it a moment ago (a shared server)
+            exp = client.get_experiment_by_name(experiment)
+            if exp is None:
+                raise
+    if exp is not None:
         exp_id = exp.experiment_id
         refresh_experiment_tags(client, exp)
+        if is_server_uri(uri) and artifact_root is None and _local_location(exp.artifact_location):
+            log.warning("MLflow experiment %s on the server %s keeps its artifacts in the local folder %s (it was "
+                        "created without the server's artifact proxy): jobs on other nodes write there on their "
+                        "own disk; use a new experiment name (mlflow.experiment) to get server-side artifacts",
+                        experiment, uri, exp.artifact_location)
     tags = {"study": study, "git_commit": git_commit(), "medpfl.role": "study"}
     run = client.create_run(exp_id, run_name=study, tags=tags)
     client.set_terminated(run.info.run_id, "FINISHED")
@@ -148,6 +180,11 @@ def init_study(study: str, experiment: str, out: Path, uri: str | None = None,
     publish_study_views(record)
     write_json(out, record)
     return record
+
+
+def _local_location(location: str | None) -> bool:
+    """Whether an experiment's artifact location is a path on the client's file system."""
+    return bool(location) and (location.startswith("file:") or "://" not in location and ":/" not in location)
 
 
 #: ``medpfl.role`` of a training run that is not behind the study's current report (a job's run
@@ -171,6 +208,7 @@ def log_study(parent_file: Path, params: dict[str, Any], artifacts: list[Path],
     the views and the summary count each job once; a superseded run named again becomes a
     training run again. None: every child counts."""
     parent = read_json(parent_file)
+    check_reachable(parent["tracking_uri"])
     client = _client(parent["tracking_uri"])
     run_id = parent["parent_run_id"]
     if params:
@@ -451,6 +489,11 @@ class RunLogger:
                  start_time: int | None = None):
         parent = read_json(parent_file)
         self.uri = parent["tracking_uri"]
+        env_uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if env_uri and env_uri != self.uri:
+            log.warning("MLFLOW_TRACKING_URI is %s but the study's parent run (%s) is in %s: this run is logged "
+                        "there, with its parent. To move the study to %s, delete %s (mlflow-init then creates a "
+                        "parent there) and run again", env_uri, parent_file, self.uri, env_uri, parent_file)
         check_reachable(self.uri)
         self.client = _client(self.uri)
         self.run_file = Path(run_file)
