@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from medpfl.errors import GpuError
-from medpfl.gpus import claim_for_device, claim_gpu, gpu_ids, lock_dir
+from medpfl.gpus import claim_for_device, claim_gpu, gpu_ids, gpu_locks, lock_dir
 from tests.helpers import REPO, make_env, snakemake
 
 CLAIM = textwrap.dedent("""
@@ -73,6 +73,34 @@ def test_processes_get_distinct_gpus_and_a_killed_holder_frees_its_gpu(tmp_path,
         for p in (a, b):
             p.kill()
             p.wait()
+
+
+def test_doctor_shows_who_holds_each_gpu_and_takes_none(tmp_path, gpu_env):
+    """``gpu_locks`` / ``medpfl doctor``'s "gpu locks" line: a held GPU names its job's pid, a
+    free one is free, all held is a warning; looking creates no lock folder and holds nothing."""
+    from medpfl.doctor import check_gpu_locks
+
+    assert gpu_locks() == [("0", None), ("1", None)] and not gpu_env.exists()  # nothing created
+    assert check_gpu_locks().status == "ok"
+    env = _env(tmp_path)
+    a, got_a = _holder(env, 60)
+    try:
+        locks = dict(gpu_locks())
+        assert locks[got_a["gpu"]].startswith(f"pid {a.pid} on ") and list(locks.values()).count(None) == 1
+        c = check_gpu_locks()
+        assert c.status == "ok" and f"GPU {got_a['gpu']} held by pid {a.pid}" in c.detail
+        b, got_b = _holder(env, 60)  # looking did not take the free GPU: the next job gets it
+        try:
+            assert {got_a["gpu"], got_b["gpu"]} == {"0", "1"}
+            c = check_gpu_locks()
+            assert c.status == "warn" and "free none" in c.detail and "every GPU is held" in c.detail
+        finally:
+            b.kill()
+            b.wait()
+    finally:
+        a.kill()
+        a.wait()
+    assert gpu_locks() == [("0", None), ("1", None)]  # the kernel dropped both locks with their processes
 
 
 def test_a_job_waits_for_a_gpu_freed_by_a_job_that_ends(tmp_path):

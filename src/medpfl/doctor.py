@@ -6,7 +6,8 @@ Checks: the params file validates; each data set's raw file is present with the 
 that does not exist yet is reported missing, never created; a tracking server answers
 ``/health`` and a search through its API, so its database is up too), and the study's parent
 run is in that store; a GPU is
-visible (informational); DVC's stages are up to date and Snakemake has nothing to do. Each
+visible (informational), and which GPUs training jobs hold (``medpfl.gpus`` locks, where GPUs
+are shared out on this machine); DVC's stages are up to date and Snakemake has nothing to do. Each
 check prints ``ok``, ``warn`` or ``FAIL`` with what to do; the exit status is 1 if any failed.
 """
 
@@ -160,6 +161,33 @@ def check_gpu() -> Check:
     return Check("gpu", "warn", "no CUDA device visible: training runs on the CPU (train.device auto)")
 
 
+def check_gpu_locks() -> Check | None:
+    """The GPU locks of ``medpfl.gpus`` (several GPUs on one machine): which GPUs training jobs
+    hold now and by whom, from the lock folder (``$MEDPFL_GPU_LOCK_DIR``); None where there is
+    no GPU to share out (no ``nvidia-smi`` and ``MEDPFL_GPUS`` unset), or when a scheduler
+    assigns the GPUs (``CUDA_VISIBLE_DEVICES`` set: no lock is taken). ``warn`` when every GPU is
+    held (the next training job waits up to ``MEDPFL_GPU_WAIT`` seconds), ``FAIL`` for a bad
+    ``MEDPFL_GPUS``."""
+    from medpfl.errors import GpuError
+    from medpfl.gpus import gpu_locks, lock_dir
+
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        return None
+    try:
+        locks = gpu_locks()
+    except GpuError as e:
+        return Check("gpu locks", "FAIL", str(e))
+    if not locks:
+        return None
+    held = [(g, h) for g, h in locks if h is not None]
+    free = [g for g, h in locks if h is None]
+    detail = (f"{lock_dir()}: free {', '.join(free) or 'none'}"
+              + "".join(f"; GPU {g} held by {h}" for g, h in held))
+    if not free:
+        detail += "; every GPU is held: the next training job waits for one (MEDPFL_GPU_WAIT)"
+    return Check("gpu locks", "ok" if free else "warn", detail)
+
+
 def check_pipeline(root: Path, overlays: list[str]) -> list[Check]:
     out = []
     if shutil.which("dvc") and (root / ".dvc").is_dir():
@@ -198,6 +226,8 @@ def doctor(params_file: Path = Path("params.yaml"), overlays: list[str] = (), pi
     if params is not None and (study := check_study_store(params, root)) is not None:
         checks.append(study)
     checks.append(check_gpu())
+    if (locks := check_gpu_locks()) is not None:
+        checks.append(locks)
     if pipeline and params is not None:
         checks += check_pipeline(root, list(overlays))
     width = max(len(c.name) for c in checks)

@@ -131,6 +131,35 @@ def _holder(path: Path) -> str:
         return "?"
 
 
+def gpu_locks() -> list[tuple[str, str | None]]:
+    """Who holds each GPU's lock now: ``[(id, holder)]`` for every id of :func:`gpu_ids`, in
+    order, ``holder`` the ``pid ... on <host> since <time>`` line its job wrote, or None when the
+    GPU is free (no lock file yet, or nobody holds its ``flock``). Creates nothing: a lock file is
+    opened read-only and, when free, locked and unlocked at once (a job claiming that GPU in the
+    same microseconds moves on to the next one or retries, as for any held GPU). Raises what
+    :func:`gpu_ids` raises."""
+    folder, out = lock_dir(), []
+    for gpu in gpu_ids():
+        path = folder / f"gpu-{gpu}.lock"
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            out.append((gpu, None))
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            out.append((gpu, _holder(path)))
+        else:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            out.append((gpu, None))
+        finally:
+            os.close(fd)
+    return out
+
+
 def claim_gpu(wait_s: float | None = None, poll_s: float = 0.5) -> GpuClaim:
     """Claim one free GPU for this process and set ``CUDA_VISIBLE_DEVICES`` to its id.
 
