@@ -572,23 +572,35 @@ def _current_user() -> str:
     return pwd.getpwuid(os.geteuid()).pw_name
 
 
+def _started(folder: str | Path) -> tuple[dict, dict]:
+    """``(paths(folder), its server.json record)``; raises :class:`TrackingServerError` when
+    ``folder`` holds no ``server.json``."""
+    p = paths(folder)
+    rec = read_state(p["folder"])
+    if rec is None:
+        raise TrackingServerError(f"{p['state']}: no tracking server was started in {p['folder']} "
+                                  "(medpfl tracking-server start --dir ... writes it)")
+    return p, rec
+
+
+def _recorded_pg_bin(rec: dict, p: dict) -> Path:
+    """The PostgreSQL binaries ``start`` recorded, else the ones matching the cluster's version
+    (:func:`find_postgres_bin`, which raises :class:`TrackingServerError` when none is found)."""
+    pg = rec.get("postgres") or {}
+    return Path(pg["bin"]) if pg.get("bin") and Path(pg["bin"]).is_dir() else find_postgres_bin(p["data"])
+
+
 def stop(folder: str | Path, timeout: float = 30.0) -> dict:
     """Stop what :func:`start` started in ``folder``: the MLflow server's process group (only if
     its recorded pid is still that process) and the PostgreSQL cluster (``pg_ctl stop -m
     fast``). Marks ``server.json`` stopped. Returns ``{"stopped": [...], "record": ...}``.
 
     Raises :class:`TrackingServerError` when ``folder`` holds no ``server.json``."""
-    p = paths(folder)
-    rec = read_state(p["folder"])
-    if rec is None:
-        raise TrackingServerError(f"{p['state']}: no tracking server was started in {p['folder']} "
-                                  "(medpfl tracking-server start --dir ... writes it)")
+    p, rec = _started(folder)
     stopped = []
     if _mlflow_alive(rec) and stop_process_group(int(rec["mlflow"]["pgid"]), timeout):
         stopped.append("mlflow")
-    pg = rec.get("postgres") or {}
-    pg_bin = Path(pg["bin"]) if pg.get("bin") and Path(pg["bin"]).is_dir() else find_postgres_bin(p["data"])
-    if _stop_postgres(pg_bin, p, _pg_user()):
+    if _stop_postgres(_recorded_pg_bin(rec, p), p, _pg_user()):
         stopped.append("postgres")
     rec = {**rec, "state": "stopped", "stopped_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     _write_state(p["folder"], rec)
@@ -600,16 +612,10 @@ def status(folder: str | Path) -> dict:
     and /health answers), "postgres": bool (pg_ctl status), "running": both}``.
 
     Raises :class:`TrackingServerError` when ``folder`` holds no ``server.json``."""
-    p = paths(folder)
-    rec = read_state(p["folder"])
-    if rec is None:
-        raise TrackingServerError(f"{p['state']}: no tracking server was started in {p['folder']} "
-                                  "(medpfl tracking-server start --dir ... writes it)")
+    p, rec = _started(folder)
     mlflow_up = _mlflow_alive(rec) and health_ok(rec["local_uri"])
-    pg = rec.get("postgres") or {}
     try:
-        pg_bin = Path(pg["bin"]) if pg.get("bin") and Path(pg["bin"]).is_dir() else find_postgres_bin(p["data"])
-        pg_up = (p["data"] / "PG_VERSION").is_file() and _pg_running(pg_bin, p, _pg_user())
+        pg_up = (p["data"] / "PG_VERSION").is_file() and _pg_running(_recorded_pg_bin(rec, p), p, _pg_user())
     except TrackingServerError:
         pg_up = False
     return {"record": rec, "mlflow": mlflow_up, "postgres": pg_up, "running": mlflow_up and pg_up}
