@@ -79,7 +79,13 @@ class GpuError(RuntimeError):
     ran out; the message names the variable or the lock folder."""
 
 
+class DeploymentError(RuntimeError):
+    """A deployed run (``medpfl.deploy``) cannot go on: a client held by no site or by two, sites
+    that disagree on the data, a site that failed a request, a site process that did not start."""
+
+
 #: what ``medpfl`` commands report in one line (exit status 2) instead of a traceback
 #: (:func:`medpfl.cli.known_errors` adds the standard library's)
 PROJECT_ERRORS = (ParamsError, DataError, PartitionError, TableError, TrackingError, DivergenceError, PaperTableError,
-                  InputFileError, MissingWeightsError, GpuError)
+                  InputFileError, MissingWeightsError, GpuError, DeploymentError)
+

@@ -98,11 +98,15 @@ def _write_job(out_dir: Path, job: dict, env: dict, earlier: list[dict], model_s
 
 
 def run_training(job: dict, arrays: Path, samples: Path, partition_table: Path, out_dir: Path,
-                 parent_file: Path | None = None) -> None:
+                 parent_file: Path | None = None, clients_factory=None, extra_tags: dict[str, str] | None = None) -> None:
     """Run one job end to end. Raises ParamsError/DataError/TableError naming the bad input
     (ParamsError also where ``train.model`` cannot take this data set's samples),
     MissingWeightsError when a pretrained checkpoint is not available offline, and
-    DivergenceError when the run diverges."""
+    DivergenceError when the run diverges.
+
+    clients_factory: None runs every client here (the simulator); else ``fn(data, algo, train)
+    -> client side`` (:mod:`medpfl.fl.clients`), e.g. a deployment's sites
+    (:mod:`medpfl.deploy.server`); extra_tags: added to the MLflow run's tags."""
     train = TrainConfig.model_validate(job["train"])
     evalc = EvalConfig.model_validate(job["eval"])
     algo_cls, mcfg = resolve_method(job["method"], {job["method"]: {"algorithm": job["algorithm"], **job["method_params"]}})
@@ -145,7 +149,7 @@ def run_training(job: dict, arrays: Path, samples: Path, partition_table: Path, 
         tags = {"method": job["method"], "algorithm": job["algorithm"], "dataset": job["dataset"],
                 "partition": job["partition"], "seed": str(job["seed"]), "study": job["study"],
                 "device": str(device), "num_clients": str(k), "partition_md5": md5sum(partition_table),
-                "medpfl.role": "training"}
+                "medpfl.role": "training", **(extra_tags or {})}
         logger = RunLogger(parent_file, out_dir / "mlflow_run.json", name, tags)
         # tags, not params: a run resumed in another environment updates them
         logger.set_tags({**mlflow_tags(env), **({"env.earlier_ids": ",".join(e.get("id", "?") for e in earlier)}
@@ -162,11 +166,13 @@ def run_training(job: dict, arrays: Path, samples: Path, partition_table: Path, 
         bar.update(r, scalars, row["round_seconds"])
 
     callbacks = [on_round]
-    fp = fingerprint({"job": job, "partition": md5sum(partition_table), "arrays": md5sum(arrays)})
+    fp = fingerprint({"job": job, "partition": md5sum(partition_table), "arrays": md5sum(arrays),
+                      **({"clients": "deployed"} if clients_factory is not None else {})})
+    clients = clients_factory(fdata, algo, train) if clients_factory is not None else None
     engine = Engine(algo, fdata, train, evalc, job["seed"], train.executor, checkpoint=ckpt, callbacks=callbacks,
-                    fingerprint=fp)
+                    fingerprint=fp, clients=clients)
     log.info("%s: %s executor on %s, %d clients, %d rounds; environment %s (%s, %d torch threads, deterministic "
-             "algorithms %s)", job["method"], engine.executor.name, device, k, train.rounds, env["id"],
+             "algorithms %s)", job["method"], engine.clients.name, device, k, train.rounds, env["id"],
              env["gpu_name"] or env["cpu_model"], env["torch_threads"], env["deterministic_algorithms"])
     try:
         with bar:
@@ -175,6 +181,9 @@ def run_training(job: dict, arrays: Path, samples: Path, partition_table: Path, 
         if logger is not None:
             logger.finish("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
         raise
+    finish = getattr(engine.clients, "finish", None)  # a deployment: the sites keep their personalized models
+    if finish is not None and algo.personalized:
+        finish(result.server)
     if earlier and not result.resumed_from:  # the checkpoint was not used: one environment after all
         earlier = []
         _write_job(out_dir, job, env, earlier, counts)

@@ -150,6 +150,9 @@ class RoundLog(pa.DataFrameModel):
     #: DP-FedAvg (``train.dp``): the privacy spent after this round, ε at the run's δ (opacus'
     #: accountant; ``medpfl.fl.privacy``); absent in runs without ``train.dp``
     epsilon: Optional[Series[float]] = pa.Field(ge=0.0, nullable=True)
+    #: a deployment (``medpfl.deploy``): the client ids, space-separated, whose site did not answer
+    #: this round's training or evaluation in time (empty: none); absent in simulated runs
+    missing_clients: Optional[Series[str]] = pa.Field(nullable=True)
 
     class Config:
         strict = True

@@ -49,15 +49,16 @@ import torch
 from medpfl.algorithms.base import Algorithm, check_required_parts
 from medpfl.config import EvalConfig, TrainConfig, canonical_json
 from medpfl.errors import DivergenceError, ParamsError
+from medpfl.fl.clients import LocalClients, initial_client_state
 from medpfl.fl.data import FederatedData, ServerData
 from medpfl.fl.evaluation import eval_groups, records_from_counts
 from medpfl.fl.functional import Params, model_state
 from medpfl.fl.payload import UploadSpecError, check_upload, payload_dense_nbytes, payload_nbytes
 from medpfl.fl.privacy import make_upload_pipeline
-from medpfl.fl.program import Federation, RoundInfo
-from medpfl.fl.sampling import client_schedule, seeded_cpu_rng
+from medpfl.fl.program import RoundInfo
+from medpfl.fl.sampling import client_schedule
 from medpfl.fl.server_opt import make_server_optimizer
-from medpfl.fl.tree import first_nonfinite, tree_index, tree_leaves, tree_scatter, tree_stack
+from medpfl.fl.tree import first_nonfinite, tree_index, tree_leaves, tree_stack
 from medpfl.io import atomic_path
 from medpfl.models import build_model
 
@@ -143,23 +144,29 @@ class Engine:
     checkpoint: Path | None = None
     callbacks: list[Callable] = field(default_factory=list)
     fingerprint: str = ""
+    #: the client side (:mod:`medpfl.fl.clients`); None: every client in this process
+    #: (:class:`~medpfl.fl.clients.LocalClients` over ``data`` with ``executor_kind``'s executor)
+    clients: Any = None
 
     def __post_init__(self):
         check_required_parts(self.algo)  # before anything is built: one line naming method, part and model
         self._attach_server_data()
-        data = self.data
+        if self.clients is None:
+            executor = make_executor(self.executor_kind, self.algo, self.data, self.train, self.seed,
+                                     self.eval.batch_size)
+            self.clients = LocalClients(self.data, executor, self.eval.batch_size)
+        #: the executor of local training (None where the clients run elsewhere: a deployment)
+        self.executor = getattr(self.clients, "executor", None)
         #: what the set-up hooks read about the federation (K, each client's local train size, C)
-        self.federation = Federation(num_clients=data.num_clients,
-                                     num_samples=tuple(int(len(t)) for t in data.client_train),
-                                     num_classes=data.num_classes)
-        self._has_val = any(len(v) for v in (getattr(self.data, "client_val", None) or []))
-        self.executor = make_executor(self.executor_kind, self.algo, self.data, self.train, self.seed, self.eval.batch_size)
+        self.federation = self.clients.federation
+        self._has_val = self.clients.has_val
+        self._eval_missing: list[int] = []
         self.server_opt = make_server_optimizer(self.train.server_optimizer, self.algo)  # None: the aggregate as is
-        self.schedule = client_schedule(self.data.num_clients, self.train.participation, self.train.rounds,
+        self.schedule = client_schedule(self.federation.num_clients, self.train.participation, self.train.rounds,
                                         self.train.sampling.scheme,
                                         self.train.sampling.seed if self.train.sampling.seed is not None else self.seed)
         # train.upload / train.dp (fl/privacy.py): None leaves the round exactly as without them
-        self.uploader = make_upload_pipeline(self.train, self.algo, self.data.num_clients, self.schedule.shape[1])
+        self.uploader = make_upload_pipeline(self.train, self.algo, self.federation.num_clients, self.schedule.shape[1])
 
     def _attach_server_data(self) -> None:
         """The server-data hook: a method that declares ``uses_server_data`` gets the partition's
@@ -190,30 +197,25 @@ class Engine:
     def initial_client_states(self, params: Params) -> dict[str, Any]:
         """Every client's state at round 0, stacked [K]. For a method with ``seeded_client_init``,
         client c's is built with the CPU generator seeded from (seed, c)
-        (:func:`~medpfl.fl.sampling.seeded_cpu_rng`, restored after), so a random draw in
+        (:func:`~medpfl.fl.clients.initial_client_state`), so a random draw in
         ``init_client_state`` is a function of the run seed and the client id only."""
-        if not self.algo.seeded_client_init:
-            return tree_stack([self.algo.init_client_state(params, c, self.federation)
-                               for c in range(self.data.num_clients)])
-        states = []
-        for c in range(self.data.num_clients):
-            with seeded_cpu_rng("client_state", self.seed, c):
-                states.append(self.algo.init_client_state(params, c, self.federation))
-        return tree_stack(states)
+        return tree_stack([initial_client_state(self.algo, params, c, self.federation, self.seed)
+                           for c in range(self.federation.num_clients)])
 
     def run(self) -> RunResult:
-        algo, data, ex = self.algo, self.data, self.executor
-        k = data.num_clients
+        algo, data, cs = self.algo, self.data, self.clients
+        k = self.federation.num_clients
         state = self._load_checkpoint()
         if state is None:
             params = self.initial_params()
             server = algo.init_server(params, self.federation)
-            client_states = self.initial_client_states(params)
+            cs.init_states(algo, params, self.seed)
             records: list[dict] = []
             rounds: list[dict] = []
             start = 0
         else:
-            server, client_states, records, rounds, start = state
+            server, client_blob, records, rounds, start = state
+            cs.load_state_dict(client_blob)
             log.info("resuming from checkpoint %s at round %d", self.checkpoint, start)
         self._checkpointed = start if state is not None else 0  # rounds held by the checkpoint file
         for r in range(start, self.train.rounds):
@@ -231,20 +233,26 @@ class Engine:
                     raise ValueError(f"method {algo.name!r}: a per-client download leaf has shape {tuple(leaf.shape)}; "
                                      f"its leading dim must be the {len(trainers)} clients that train this round")
             with self._linalg_guard(r, "in local training"):
-                models, uploads, new_states = ex.train_clients(algo, down, tree_index(client_states, tidx), trainers,
-                                                               rnd)
-            self._check_finite(r, "after local training", {"upload": uploads, "client state": new_states})
+                # model selection (FHBench protocol): the same models on the val splits in evaluation rounds
+                out = cs.train_round(algo, down, trainers, rnd, score_val=self._has_val and self._is_eval_round(r))
+            uploads = out.uploads
+            if len(out.missing):  # a deployment: sites that did not answer in time leave the round
+                trainers, clients, agg_pos = self._without(out.missing, trainers, clients, agg_pos)
+                m = len(clients)
+                cidx = torch.as_tensor(clients, device=data.device)
+            if out.bad_state:
+                raise self._diverged(r, f"client state {out.bad_state} is not finite (NaN or inf) after local training")
+            self._check_finite(r, "after local training", {"upload": uploads, "client state": out.states})
             self._sync()
             t1 = time.perf_counter()
-            new_records = records_from_counts(r, "local_after_training", trainers.tolist(),
-                                              *ex.evaluate_models(algo, models, [data.client_test[c] for c in trainers]))
-            if self._has_val and self._is_eval_round(r):  # model selection (FHBench protocol): same models, val splits
-                new_records += records_from_counts(r, "local_after_training_val", trainers.tolist(),
-                                                   *ex.evaluate_models(algo, models, [data.client_val[c] for c in trainers]))
-            client_states = tree_scatter(client_states, tidx, new_states)
+            new_records = records_from_counts(r, "local_after_training", trainers.tolist(), *out.test)
+            if out.val is not None:
+                new_records += records_from_counts(r, "local_after_training_val", trainers.tolist(), *out.val)
+            cs.commit()
             if agg_pos is not None:  # only the sampled clients send (and are aggregated)
                 uploads = tree_index(uploads, torch.as_tensor(agg_pos, device=data.device))
-            check_upload(algo.name, algo.upload_spec(), uploads, m)
+            if m > 0:
+                check_upload(algo.name, algo.upload_spec(), uploads, m)
             sent = uploads  # what crosses (bytes_up), as the clients send it
             if self.uploader is not None:  # train.upload / train.dp: transforms at the clients, decoding at the server
                 with self._linalg_guard(r, "in the upload transforms"):
@@ -252,21 +260,21 @@ class Engine:
                 check_upload(algo.name, self.uploader.wire_spec, sent, m)
                 with self._linalg_guard(r, "in the upload transforms"):
                     uploads = self.uploader.receive(sent, down.shared, self.seed, r, m)
-            if algo.aggregates:
+            if algo.aggregates and m > 0:
                 with self._linalg_guard(r, "in the server update"):
                     aggregated = algo.aggregate(server, uploads, cidx, rnd)
                 # train.server_optimizer: x_{t+1} from x_t and the aggregate (state in the server dict)
                 server = self.server_opt.apply(server, aggregated) if self.server_opt else aggregated
             self._check_finite(r, "after the server update", {"server state": server})
             if self._is_eval_round(r):
-                new_records += self._evaluate(server, client_states, r)
+                new_records += self._evaluate(server, r)
             self._sync()
             t2 = time.perf_counter()
             row = {
                 "round": r,
                 "lr": rnd.lr,
-                "sampled_clients": " ".join(map(str, clients.tolist())),
-                "num_sampled": m,
+                "sampled_clients": " ".join(map(str, self.schedule[r].tolist())),
+                "num_sampled": len(self.schedule[r]),
                 "bytes_up": payload_nbytes(sent),
                 "bytes_up_dense": payload_dense_nbytes(sent),  # the same uploads uncompressed
                 "bytes_down": (k if down.to_all else len(trainers)) * payload_nbytes(down.shared)
@@ -278,22 +286,26 @@ class Engine:
             }
             if self.uploader is not None and self.uploader.dp is not None:  # DP-FedAvg: ε at δ after r + 1 rounds
                 row["epsilon"] = self.uploader.epsilon(r + 1)
+            if getattr(cs, "reports_missing", False):  # a deployment: the clients whose site did not answer
+                row["missing_clients"] = " ".join(map(str, sorted(set(out.missing) | set(self._eval_missing))))
+                self._eval_missing = []
             records += new_records
             rounds.append(row)
             for cb in self.callbacks:
                 cb(r, row, new_records)
             if self.checkpoint and self.train.checkpoint_every and ((r + 1) % self.train.checkpoint_every == 0
                                                                     or r == self.train.rounds - 1):
-                self._save_checkpoint(server, client_states, records, rounds, r + 1)
+                self._save_checkpoint(server, cs.state_dict(), records, rounds, r + 1)
                 self._checkpointed = r + 1
         # the pipeline's table schemas (pandera), loaded when a run ends: medpfl.fl is importable without them
         from medpfl.data.schemas import EvalRecords, RoundLog, validate
 
         rec = validate(EvalRecords, pd.DataFrame(records), "evaluation records")
         rnd_log = validate(RoundLog, pd.DataFrame(rounds), "round log")
-        personal = ex.personalized_models(algo, client_states, server) if algo.personalized else None
+        local = isinstance(cs, LocalClients)  # deployed: the states and personal models stay at the sites
+        personal = cs.personalized_models(algo, server) if algo.personalized and local else None
         return RunResult(rec, rnd_log, server, algo.global_model(server) if algo.has_global_model else None,
-                         client_states, personal, resumed_from=start if state else 0)
+                         cs.state_dict() if local else {}, personal, resumed_from=start if state else 0)
 
     def _check_finite(self, r: int, when: str, trees: dict[str, Any]) -> None:
         """The divergence guard: raises :class:`DivergenceError` when a floating-point leaf of
@@ -352,6 +364,16 @@ class Engine:
                              f"[0, {self.data.num_clients}) that include every sampled client; got {trainers.tolist()}")
         return trainers, np.searchsorted(trainers, sampled)
 
+    @staticmethod
+    def _without(missing, trainers: np.ndarray, sampled: np.ndarray, agg_pos: np.ndarray | None):
+        """``(trainers, sampled, positions of the sampled among the trainers)`` without the
+        clients in ``missing`` (their sites did not answer); positions None as before when only
+        the sampled clients train."""
+        gone = np.asarray(sorted(missing), dtype=np.int64)
+        trainers = trainers[~np.isin(trainers, gone)]
+        sampled = sampled[~np.isin(sampled, gone)]
+        return trainers, sampled, (None if agg_pos is None else np.searchsorted(trainers, sampled))
+
     def _adapted(self, models: Any, r: int) -> Any:
         """Every client's personalized model after the method's evaluation-time program
         (``adaptation_phases``) on its local train split, run by the executor for all K clients
@@ -361,34 +383,34 @@ class Engine:
         phases = self.algo.adaptation_phases(rnd)
         if not phases:
             return models
-        return self.executor.adapt_models(self.algo, phases, models, np.arange(self.data.num_clients, dtype=np.int64),
-                                          rnd)
+        return self.executor.adapt_models(self.algo, phases, models,
+                                          np.arange(self.federation.num_clients, dtype=np.int64), rnd)
 
-    def _evaluate(self, server: dict[str, Any], client_states: dict[str, Any], r: int) -> list[dict]:
-        algo, data, bs = self.algo, self.data, self.eval.batch_size
+    def _evaluate(self, server: dict[str, Any], r: int) -> list[dict]:
+        """The evaluation round's records: the global model on the global test set here (where
+        this process has one) and, on the client side, on every local test (and val) split;
+        every personalized model on its local test (and val) split, and on the global test set
+        at the last round of a method without a global model."""
+        algo, data, bs, cs = self.algo, self.data, self.eval.batch_size, self.clients
         out: list[dict] = []
-        k = data.num_clients
-        has_global_test = len(data.global_test) > 0  # a federated data set may have none (Synthetic)
-        if algo.has_global_model:
-            gm = algo.global_model(server)
-            if has_global_test:
-                out += records_from_counts(r, "global_test", [-1],
-                                           *eval_groups(algo.predict, gm, data, [data.global_test], bs))
-            out += records_from_counts(r, "global_on_local", list(range(k)),
-                                       *eval_groups(algo.predict, gm, data, data.client_test, bs))
-            if self._has_val:
-                out += records_from_counts(r, "global_on_val", list(range(k)),
-                                           *eval_groups(algo.predict, gm, data, data.client_val, bs))
-        if algo.personalized:
-            pm = self._adapted(self.executor.personalized_models(algo, client_states, server), r)
-            out += records_from_counts(r, "personalized_on_local", list(range(k)),
-                                       *self.executor.evaluate_models(algo, pm, data.client_test))
-            if self._has_val:
-                out += records_from_counts(r, "personalized_on_val", list(range(k)),
-                                           *self.executor.evaluate_models(algo, pm, data.client_val))
-            if r == self.train.rounds - 1 and not algo.has_global_model and has_global_test:
-                out += records_from_counts(r, "local_on_global_test", list(range(k)),
-                                           *self.executor.evaluate_models(algo, pm, [data.global_test] * k))
+        k = self.federation.num_clients
+        clients = list(range(k))
+        gm = algo.global_model(server) if algo.has_global_model else None
+        if gm is not None and len(data.global_test) > 0:  # a federated data set may have none (Synthetic)
+            out += records_from_counts(r, "global_test", [-1], *eval_groups(algo.predict, gm, data, [data.global_test], bs))
+        res = cs.evaluate(algo, server, self.round_info(r), global_model=gm, personalized=algo.personalized,
+                          val=self._has_val,
+                          personalized_global=(r == self.train.rounds - 1 and not algo.has_global_model
+                                               and cs.has_global_test))
+        if res.clients is not None:
+            self._eval_missing = sorted(set(clients) - set(res.clients))
+            clients = list(res.clients)
+        for view, counts in (("global_on_local", res.global_test), ("global_on_val", res.global_val),
+                             ("personalized_on_local", res.personalized_test),
+                             ("personalized_on_val", res.personalized_val),
+                             ("local_on_global_test", res.personalized_global)):
+            if counts is not None:
+                out += records_from_counts(r, view, clients, *counts)
         return out
 
     # ----- checkpoints ------------------------------------------------------------------------
