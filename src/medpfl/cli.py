@@ -214,6 +214,61 @@ def cmd_ui(a) -> int:
         return proc.wait()
 
 
+def cmd_deploy(a) -> int:
+    """``medpfl deploy certs|job|superlink|site|run`` (:mod:`medpfl.deploy`, docs/deployment.md).
+    superlink and site replace this process with Flower's (``exec``); run returns ``flwr run``'s
+    exit status."""
+    import json
+    import os
+    import tempfile
+
+    from medpfl.deploy import processes as fp
+
+    certs = Path(a.certs) if getattr(a, "certs", None) else None
+    if a.action == "certs":
+        from medpfl.deploy.certs import make_certificates
+
+        folder = make_certificates(Path(a.dir), hosts=a.host or ["localhost", "127.0.0.1"], sites=a.site)
+        print(f"certificates in {folder}: ca.crt (give it to every site and to `medpfl deploy run`), ca.key (keep "
+              "it), server.pem + server.key (the SuperLink's)" + (", and a key pair per site: " + ", ".join(
+                  f"{s} (private, to that site) + {s}.pub (register it)" for s in a.site) if a.site else ""))
+        return 0
+    if a.action == "job":
+        from medpfl.compose import load_params
+        from medpfl.config import train_job
+
+        params = load_params(Path(a.params), [Path(o) for o in a.overlay])
+        job = train_job(params, a.dataset, a.partition, a.method, a.seed)
+        Path(a.out).write_text(json.dumps(job, indent=1, sort_keys=True) + "\n")
+        print(f"{a.out}: {a.method} on {a.dataset}/{a.partition}, seed {a.seed}; the study's files: "
+              f"data/processed/{a.dataset}.npz, data/processed/{a.dataset}.samples.parquet, "
+              f"data/partitions/{a.dataset}/{a.partition}/partition.parquet")
+        return 0
+    if a.action == "superlink":
+        cmd = fp.superlink_cmd(a.port, certs)
+        cmd[cmd.index("--host") + 1] = a.host
+        env = fp.flower_env(Path(a.home)) if a.home else {**os.environ, **{k: v for k, v in fp.flower_env(
+            Path(os.environ.get("FLWR_HOME", Path.home() / ".flwr"))).items() if k != "FLWR_HOME"}}
+        os.execvpe(cmd[0], cmd, env)
+    if a.action == "site":
+        cfg = {"arrays": str(Path(a.arrays).resolve()), "samples": str(Path(a.samples).resolve()),
+               "partition-table": str(Path(a.partition_table).resolve()), "client-ids": a.client_ids or "",
+               "state-dir": str(Path(a.state_dir).resolve()), "device": a.device}
+        cmd = fp.supernode_cmd(a.superlink, a.port, cfg, certs, Path(a.key) if a.key else None)
+        os.execvpe(cmd[0], cmd, {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"})
+    if a.action == "run":
+        home = Path(tempfile.mkdtemp(prefix="medpfl-flwr-"))
+        fp.write_cli_config(home, a.superlink, certs)
+        cfg = {"job": str(Path(a.job).resolve()), "arrays": str(Path(a.arrays).resolve()),
+               "samples": str(Path(a.samples).resolve()), "partition-table": str(Path(a.partition_table).resolve()),
+               "out-dir": str(Path(a.out_dir).resolve()), "parent": str(Path(a.parent).resolve()) if a.parent else "",
+               "timeout": float(a.timeout)}
+        fp.flwr_run(cfg, home, capture=False)  # raises DeploymentError (one line) when the run wrote nothing
+        print(f"deployed run done: {cfg['out-dir']}")
+        return 0
+    return 2
+
+
 def cmd_tracking_server(a) -> int:
     """``medpfl tracking-server start|stop|status --dir FOLDER``: an MLflow tracking server backed by
     PostgreSQL (:mod:`medpfl.tracking_server`); start prints the ``export MLFLOW_TRACKING_URI=...``
@@ -299,6 +354,7 @@ Jobs on many nodes: one MLflow tracking server (PostgreSQL) for all of them:
 USER_COMMANDS = {
     "ui": "compare a study's methods in the MLflow UI (prints its links: methods, table, runs, compare; serves mlflow ui)",
     "tracking-server": "start, stop or show an MLflow tracking server backed by PostgreSQL, for jobs on many nodes",
+    "deploy": "run a method across real sites with Flower: certificates, the server side, a site, a run",
     "check-params": "validate params.yaml (+ overlays) and exit",
     "doctor": "check params, data MD5s, MLflow store, GPU, DVC and Snakemake state",
     "sync": "after git checkout: dvc checkout, then snakemake --touch",
@@ -490,6 +546,65 @@ def build_parser() -> argparse.ArgumentParser:
             a_.add_argument("--cors-allowed-origins", metavar="LIST", help="comma-separated origins a browser may "
                             "use the UI from (mlflow server --cors-allowed-origins; default: localhost, plus "
                             "http://<this machine's names>:PORT when --host is not a loopback address)")
+
+    s = command("deploy", cmd_deploy, epilog=textwrap.fill(
+        "A deployment: make certificates once (certs), start the SuperLink on the server (superlink), register "
+        "each site's public key (flwr supernode register SITE.pub medpfl), start a SuperNode at each site "
+        "(site), then run a job (job writes one from the params; run). Without --certs, superlink, site and run "
+        "use --insecure: for a loopback test only. See docs/deployment.md.", break_on_hyphens=False))
+    d_sub = s.add_subparsers(dest="action", required=True, metavar="{certs,job,superlink,site,run}",
+                             help="what to do")
+    for action, text in (("certs", "make a CA, the SuperLink's TLS certificate and a key pair per site"),
+                         ("job", "write the job of one study run (data set, partition, method, seed) as JSON"),
+                         ("superlink", "start the SuperLink (the federation's server side) in the foreground"),
+                         ("site", "start a site's SuperNode in the foreground, serving its own data"),
+                         ("run", "run a job across the connected sites; the outputs of medpfl train in --out-dir")):
+        a_ = d_sub.add_parser(action, description=text[0].upper() + text[1:] + ".", help=text)
+        if action == "certs":
+            a_.add_argument("dir", metavar="FOLDER", help="where to write the files")
+            a_.add_argument("--host", action="append", metavar="NAME", help="a DNS name or IP address the sites "
+                            "reach the SuperLink by (repeat; default: localhost and 127.0.0.1)")
+            a_.add_argument("--site", action="append", default=[], metavar="NAME", help="make an authentication "
+                            "key pair NAME / NAME.pub for a site (repeat)")
+        if action == "job":
+            a_.add_argument("--params", default="params.yaml", help="the params file (default: %(default)s)")
+            overlay(a_)
+            for k in ("dataset", "partition", "method"):
+                a_.add_argument(f"--{k}", required=True)
+            a_.add_argument("--seed", type=int, default=1, help="(default: %(default)s)")
+            a_.add_argument("--out", default="job.json", help="the JSON file to write (default: %(default)s)")
+        if action in ("superlink", "site", "run"):
+            a_.add_argument("--certs", metavar="FOLDER", help="TLS: the folder of `deploy certs` (the SuperLink "
+                            "reads ca.crt, server.pem, server.key and authenticates sites; a site and run read "
+                            "ca.crt); without it: --insecure, loopback tests only")
+        if action == "superlink":
+            a_.add_argument("--host", default="0.0.0.0", help="address to listen on (default: %(default)s)")
+            a_.add_argument("--port", type=int, default=9092, help="the one HTTP port of the Fleet, Control and "
+                            "ServerAppIo APIs (default: %(default)s)")
+            a_.add_argument("--home", metavar="FOLDER", help="FLWR_HOME of the SuperLink (default: $FLWR_HOME)")
+        if action in ("site", "run"):
+            a_.add_argument("--superlink", required=True, metavar="HOST:PORT", help="the SuperLink's address")
+            a_.add_argument("--arrays", required=True, help="processed arrays (.npz)")
+            a_.add_argument("--samples", required=True, help="the sample table (.samples.parquet)")
+            a_.add_argument("--partition-table", required=True, help="the partition table (partition.parquet)")
+        if action == "site":
+            a_.add_argument("--port", type=int, default=9094, help="the SuperNode's local ClientApp port "
+                            "(default: %(default)s)")
+            a_.add_argument("--client-ids", default="", metavar="LIST", help="comma-separated client ids this "
+                            "site holds (default: every client in its partition table)")
+            a_.add_argument("--state-dir", required=True, metavar="FOLDER", help="where the site keeps its "
+                            "clients' states and personalized models")
+            a_.add_argument("--key", metavar="FILE", help="the site's private authentication key (deploy certs "
+                            "--site NAME); its .pub must be registered at the SuperLink")
+            a_.add_argument("--device", default="cpu", help="torch device at the site (default: %(default)s)")
+        if action == "run":
+            a_.add_argument("--job", required=True, help="the job JSON (deploy job)")
+            a_.add_argument("--out-dir", required=True, metavar="FOLDER", help="records.parquet, rounds.parquet, "
+                            "job.json, final_model.pt (global model), checkpoint.pt while it runs")
+            a_.add_argument("--parent", metavar="FILE", help="the study's MLflow parent file "
+                            "(results/<study>/mlflow_parent.json) to log the run under")
+            a_.add_argument("--timeout", type=float, default=600.0, metavar="S", help="seconds a round waits for "
+                            "the sites (default: %(default)s)")
 
     s = command("check-params", cmd_check_params)
     s.add_argument("params", nargs="?", default="params.yaml", help="the params file (default: %(default)s)")

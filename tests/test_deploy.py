@@ -1,0 +1,165 @@
+"""Deployment (medpfl.deploy): the engine's client side at sites gives the simulator's records.
+
+In-process sites here (the requests and replies packed as Flower carries them); the same with
+real Flower processes on loopback in tests/test_flower.py."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from medpfl.deploy.server import InProcessTransport, run_deployed
+from medpfl.deploy.site import Site
+from medpfl.deploy.wire import pack, unpack
+from medpfl.errors import DeploymentError
+from medpfl.fl.payload import LowRank
+from medpfl.io import read_parquet
+from medpfl.train import run_training
+from tests.conftest import prepare_train_jobs
+
+METHODS = ("fedavg", "ditto", "scaffold")
+#: records of a deployed run vs the simulator (sequential executor): the same arithmetic, except
+#: that a site evaluates its own clients' splits in batches of its own (BLAS blocking may differ)
+ATOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    d = tmp_path_factory.mktemp("deploy")
+    jobs, _ = prepare_train_jobs(d, methods=METHODS, num_clients=3, counts=(150, 15, 45), mlflow=False,
+                                 train={"rounds": 3, "local_epochs": 1, "participation": 0.67, "batch_size": 16,
+                                        "checkpoint_every": 1},
+                                 image_size=16)
+    return d, {j["method"]: j for j in jobs}
+
+
+def _sites(d, tmp, split):
+    """A transport with one site per entry of ``split`` (client ids), each with its own state folder."""
+    def make(n, job, key):
+        return Site(job, d / "arrays.npz", d / "samples.parquet", d / "partition.parquet", split[n], tmp / f"site{n}",
+                    key)
+    return InProcessTransport(list(range(len(split))), make)
+
+
+def _records(folder):
+    rec = read_parquet(folder / "records.parquet").sort_values(["round", "view", "client_id"]).reset_index(drop=True)
+    return rec
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_deployed_records_equal_the_simulator(study, tmp_path, method):
+    d, jobs = study
+    job = jobs[method]
+    run_training(job, d / "arrays.npz", d / "samples.parquet", d / "partition.parquet", tmp_path / "sim")
+    transport = _sites(d, tmp_path, [[0, 2], [1]])
+    run_deployed(job, d / "arrays.npz", d / "samples.parquet", d / "partition.parquet", tmp_path / "dep", transport)
+    sim, dep = _records(tmp_path / "sim"), _records(tmp_path / "dep")
+    pd.testing.assert_frame_equal(sim.drop(columns=["accuracy", "balanced_accuracy", "loss"]),
+                                  dep.drop(columns=["accuracy", "balanced_accuracy", "loss"]))
+    for col in ("accuracy", "balanced_accuracy", "loss"):
+        np.testing.assert_allclose(dep[col], sim[col], atol=ATOL, rtol=0)
+    rounds = read_parquet(tmp_path / "dep" / "rounds.parquet")
+    assert (rounds["missing_clients"] == "").all()
+    sim_rounds = read_parquet(tmp_path / "sim" / "rounds.parquet")
+    assert list(rounds["bytes_up"]) == list(sim_rounds["bytes_up"])
+    # the global model the server ends with is the simulator's
+    a = torch.load(tmp_path / "sim" / "final_model.pt", weights_only=False)
+    b = torch.load(tmp_path / "dep" / "final_model.pt", weights_only=False)
+    if a["global"] is not None:
+        for k in a["global"]:
+            torch.testing.assert_close(b["global"][k], a["global"][k], atol=1e-6, rtol=0)
+    assert b["personalized"] is None  # personal models stay at the sites
+    if method == "ditto":  # ... where each site saved its own clients' models
+        saved = list(tmp_path.glob("site*/run-*/final_model.pt"))
+        assert len(saved) == 2
+        for f in saved:
+            blob = torch.load(f, weights_only=False)
+            for j, c in enumerate(blob["clients"]):
+                for k, v in blob["personalized"].items():
+                    torch.testing.assert_close(v[j], a["personalized"][k][c], atol=1e-6, rtol=0)
+
+
+def test_site_down_leaves_the_round_and_rejoins(study, tmp_path):
+    d, jobs = study
+    transport = _sites(d, tmp_path, [[0, 2], [1]])
+    real = transport.request
+    calls = {"n": 0}
+
+    def flaky(requests, timeout):
+        kinds = {k for k, _, _ in requests.values()}
+        if "train" in kinds:
+            calls["n"] += 1
+            transport.down = {1} if calls["n"] == 2 else set()  # node 1 silent in round 2's training
+        return real(requests, timeout)
+
+    transport.request = flaky
+    run_deployed(jobs["ditto"], d / "arrays.npz", d / "samples.parquet", d / "partition.parquet", tmp_path / "dep",
+                 transport, timeout=5)
+    rounds = read_parquet(tmp_path / "dep" / "rounds.parquet")
+    # node 1 (client 1) is silent through round 2's training and evaluation
+    assert rounds["missing_clients"].tolist() == ["", "1", ""]
+    rec = read_parquet(tmp_path / "dep" / "records.parquet")
+    r1 = rec[rec["round"] == 1]
+    assert 1 not in r1["client_id"].tolist()
+    assert set(r1[r1["view"] == "personalized_on_local"]["client_id"]) == {0, 2}
+    # round 3: the site is back, with the state it kept
+    assert set(rec[(rec["round"] == 2) & (rec["view"] == "personalized_on_local")]["client_id"]) == {0, 1, 2}
+
+
+def test_sites_must_cover_every_client(study, tmp_path):
+    d, jobs = study
+    with pytest.raises(DeploymentError, match=r"client\(s\) \[1\]"):
+        run_deployed(jobs["fedavg"], d / "arrays.npz", d / "samples.parquet", d / "partition.parquet",
+                     tmp_path / "dep", _sites(d, tmp_path, [[0, 2]]))
+    with pytest.raises(DeploymentError, match="held by two sites"):
+        run_deployed(jobs["fedavg"], d / "arrays.npz", d / "samples.parquet", d / "partition.parquet",
+                     tmp_path / "dep", _sites(d, tmp_path, [[0, 1], [1, 2]]))
+
+
+def test_wire_round_trip_keeps_every_leaf_bit_for_bit():
+    tree = {"a": {"w": torch.randn(3, 2), "n": torch.tensor(7)}, "empty": {},
+            "lr": LowRank(torch.randn(2, 1), torch.randn(1), torch.randn(1, 3), torch.tensor(1)),
+            "h": torch.randn(4).to(torch.bfloat16), "i": torch.arange(3, dtype=torch.int32)}
+    arrays, meta = pack(tree)
+    back = unpack(arrays, json.loads(json.dumps(meta)))
+    assert back["empty"] == {} and isinstance(back["lr"], LowRank)
+    for x, y in ((back["a"]["w"], tree["a"]["w"]), (back["a"]["n"], tree["a"]["n"]), (back["h"], tree["h"]),
+                 (back["i"], tree["i"]), (back["lr"].vh, tree["lr"].vh)):
+        assert x.dtype == y.dtype and torch.equal(x, y)
+    del arrays["p0"]
+    with pytest.raises(ValueError, match="arrays"):
+        unpack(arrays, meta)
+
+
+def test_server_resumes_from_its_checkpoint_with_the_sites_states(study, tmp_path, monkeypatch):
+    """The server side fails after round 2 (an injected fault); the same deployed run again
+    resumes from its checkpoint, the sites start from the states it refers to, and the records
+    are the uninterrupted simulator's."""
+    import medpfl.train as train_mod
+
+    d, jobs = study
+    job = jobs["scaffold"]
+    run_training(job, d / "arrays.npz", d / "samples.parquet", d / "partition.parquet", tmp_path / "sim")
+    real = train_mod.round_scalars
+
+    def boom(records, row):
+        if row["round"] == 2:
+            raise RuntimeError("injected server fault in round 3")
+        return real(records, row)
+
+    transport = _sites(d, tmp_path, [[0], [1, 2]])
+    monkeypatch.setattr(train_mod, "round_scalars", boom)
+    with pytest.raises(RuntimeError, match="injected"):
+        run_deployed(job, d / "arrays.npz", d / "samples.parquet", d / "partition.parquet", tmp_path / "dep", transport)
+    assert torch.load(tmp_path / "dep" / "checkpoint.pt", weights_only=False)["next_round"] == 2
+    monkeypatch.setattr(train_mod, "round_scalars", real)
+    fresh = _sites(d, tmp_path, [[0], [1, 2]])  # new site processes, the same state folders
+    run_deployed(job, d / "arrays.npz", d / "samples.parquet", d / "partition.parquet", tmp_path / "dep", fresh)
+    sim, dep = _records(tmp_path / "sim"), _records(tmp_path / "dep")
+    pd.testing.assert_frame_equal(sim[["round", "view", "client_id", "correct"]],
+                                  dep[["round", "view", "client_id", "correct"]])
+    np.testing.assert_allclose(dep["loss"], sim["loss"], atol=ATOL, rtol=0)
