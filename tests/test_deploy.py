@@ -163,3 +163,24 @@ def test_server_resumes_from_its_checkpoint_with_the_sites_states(study, tmp_pat
     pd.testing.assert_frame_equal(sim[["round", "view", "client_id", "correct"]],
                                   dep[["round", "view", "client_id", "correct"]])
     np.testing.assert_allclose(dep["loss"], sim["loss"], atol=ATOL, rtol=0)
+
+
+def test_a_site_serves_its_own_file_in_the_official_layout(tmp_path):
+    """prepare-site: a MedMNIST-layout file -> arrays, samples, a one-client partition a Site
+    reads; a file not in the layout stops with one line naming it."""
+    from medpfl.data.synthetic import write_synthetic_npz
+    from medpfl.deploy.site import prepare_site_files
+    from medpfl.errors import DataError
+
+    write_synthetic_npz(tmp_path / "own.npz", 4, 3, 16, (60, 10, 20), seed=5)
+    paths = prepare_site_files(tmp_path / "own.npz", tmp_path / "site", client_id=2, num_classes=4, n_channels=3)
+    table = read_parquet(paths["partition-table"])
+    assert set(table["client_id"]) == {2} and table["local_split"].value_counts().to_dict() == {"train": 60, "test": 20}
+    jobs, _ = prepare_train_jobs(tmp_path / "study", methods=("fedavg",), num_clients=3, counts=(150, 15, 45),
+                                 mlflow=False, image_size=16)
+    site = Site(jobs[0], paths["arrays"], paths["samples"], paths["partition-table"], None, tmp_path / "state", "run-x")
+    hello = site.hello()
+    assert hello["clients"] == [2] and hello["num_samples"] == [60] and hello["num_classes"] == 4
+    np.savez(tmp_path / "bad.npz", images=np.zeros((3, 16, 16, 3), dtype=np.uint8))
+    with pytest.raises(DataError, match="bad.npz"):
+        prepare_site_files(tmp_path / "bad.npz", tmp_path / "bad", client_id=0, num_classes=4, n_channels=3)

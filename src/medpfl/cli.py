@@ -233,6 +233,15 @@ def cmd_deploy(a) -> int:
               "it), server.pem + server.key (the SuperLink's)" + (", and a key pair per site: " + ", ".join(
                   f"{s} (private, to that site) + {s}.pub (register it)" for s in a.site) if a.site else ""))
         return 0
+    if a.action == "prepare-site":
+        from medpfl.deploy.site import prepare_site_files
+
+        paths = prepare_site_files(Path(a.file), Path(a.out), a.client_id, a.num_classes, a.channels, a.layout,
+                                   val=a.val)
+        print(f"site files in {a.out} (client {a.client_id}); start the site with: medpfl deploy site --arrays "
+              f"{paths['arrays']} --samples {paths['samples']} --partition-table {paths['partition-table']} "
+              f"--client-ids {a.client_id} ...")
+        return 0
     if a.action == "job":
         from medpfl.compose import load_params
         from medpfl.config import train_job
@@ -552,9 +561,11 @@ def build_parser() -> argparse.ArgumentParser:
         "each site's public key (flwr supernode register SITE.pub medpfl), start a SuperNode at each site "
         "(site), then run a job (job writes one from the params; run). Without --certs, superlink, site and run "
         "use --insecure: for a loopback test only. See docs/deployment.md.", break_on_hyphens=False))
-    d_sub = s.add_subparsers(dest="action", required=True, metavar="{certs,job,superlink,site,run}",
-                             help="what to do")
+    d_sub = s.add_subparsers(dest="action", required=True,
+                             metavar="{certs,prepare-site,job,superlink,site,run}", help="what to do")
     for action, text in (("certs", "make a CA, the SuperLink's TLS certificate and a key pair per site"),
+                         ("prepare-site", "turn a site's own file (an official layout) into the files its "
+                          "SuperNode reads: arrays, samples, a one-client partition"),
                          ("job", "write the job of one study run (data set, partition, method, seed) as JSON"),
                          ("superlink", "start the SuperLink (the federation's server side) in the foreground"),
                          ("site", "start a site's SuperNode in the foreground, serving its own data"),
@@ -566,6 +577,14 @@ def build_parser() -> argparse.ArgumentParser:
                             "reach the SuperLink by (repeat; default: localhost and 127.0.0.1)")
             a_.add_argument("--site", action="append", default=[], metavar="NAME", help="make an authentication "
                             "key pair NAME / NAME.pub for a site (repeat)")
+        if action == "prepare-site":
+            a_.add_argument("file", help="the site's data file in an official layout (e.g. MedMNIST .npz)")
+            a_.add_argument("--out", required=True, metavar="FOLDER", help="where to write the three files")
+            a_.add_argument("--client-id", type=int, required=True, help="this site's client id (0..K-1)")
+            a_.add_argument("--num-classes", type=int, required=True)
+            a_.add_argument("--channels", type=int, required=True, help="image channels (3D: the depth)")
+            a_.add_argument("--layout", default="medmnist", help="as data.custom's layout (default: %(default)s)")
+            a_.add_argument("--val", action="store_true", help="keep the file's val split as a local val split")
         if action == "job":
             a_.add_argument("--params", default="params.yaml", help="the params file (default: %(default)s)")
             overlay(a_)

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import torch
 
 from medpfl.algorithms import resolve_method
@@ -86,6 +87,33 @@ def load_site_data(job: dict, arrays: Path, samples: Path, partition_table: Path
         raise PartitionError(f"{partition_table}: client ids up to {k - 1}, but the job has {job['num_clients']} "
                              "clients")
     return FederatedData.build(data, table, device, pool=job.get("pool", "train"), transform=transform)
+
+
+def prepare_site_files(raw: Path, out: Path, client_id: int, num_classes: int, n_channels: int,
+                       layout: str = "medmnist", val: bool = False) -> dict[str, Path]:
+    """A site's own file in an official layout (``layout``: as ``data.custom``, e.g. the
+    MedMNIST ``.npz`` with ``train_images``/``train_labels``/``test_*``/``val_*``) turned into
+    what a SuperNode reads: ``arrays.npz`` + ``samples.parquet`` (:func:`medpfl.data.preprocess.
+    preprocess`, validated as in the pipeline) and ``partition.parquet`` holding one client,
+    ``client_id``: its official train split as its local train split, its test split as its local
+    test split, and its val split as a local val split with ``val`` (else left out). Returns the
+    three paths. Raises DataError naming ``raw`` on a file that is not in the layout."""
+    from medpfl.data.preprocess import preprocess
+    from medpfl.data.schemas import PartitionTable
+    from medpfl.io import write_parquet
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"arrays": out / "arrays.npz", "samples": out / "samples.parquet", "partition-table": out / "partition.parquet"}
+    samples = preprocess(raw, paths["arrays"], paths["samples"], num_classes, n_channels, layout=layout)
+    keep = ("train", "test", "val") if val else ("train", "test")
+    rows = samples[samples["split"].isin(keep)]
+    table = pd.DataFrame({"sample_id": rows["sample_id"].to_numpy(), "client_id": int(client_id),
+                          "local_split": rows["split"].to_numpy(), "label": rows["label"].to_numpy()})
+    if not (table["local_split"] == "train").any():
+        raise ParamsError(f"{raw}: no train samples: the site's client would have nothing to train on")
+    write_parquet(paths["partition-table"], validate(PartitionTable, table, str(paths["partition-table"])))
+    return paths
 
 
 class Site:
