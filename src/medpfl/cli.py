@@ -581,15 +581,17 @@ def build_parser() -> argparse.ArgumentParser:
             a_.add_argument("file", help="the site's data file in an official layout (e.g. MedMNIST .npz)")
             a_.add_argument("--out", required=True, metavar="FOLDER", help="where to write the three files")
             a_.add_argument("--client-id", type=int, required=True, help="this site's client id (0..K-1)")
-            a_.add_argument("--num-classes", type=int, required=True)
+            a_.add_argument("--num-classes", type=int, required=True, help="classes of the data set (as all sites)")
             a_.add_argument("--channels", type=int, required=True, help="image channels (3D: the depth)")
             a_.add_argument("--layout", default="medmnist", help="as data.custom's layout (default: %(default)s)")
             a_.add_argument("--val", action="store_true", help="keep the file's val split as a local val split")
         if action == "job":
             a_.add_argument("--params", default="params.yaml", help="the params file (default: %(default)s)")
             overlay(a_)
-            for k in ("dataset", "partition", "method"):
-                a_.add_argument(f"--{k}", required=True)
+            for k, h in (("dataset", "a data set of the params (data.datasets)"),
+                         ("partition", "a partition of the params (partitions.<name>)"),
+                         ("method", "a method of the params (methods)")):
+                a_.add_argument(f"--{k}", required=True, help=h)
             a_.add_argument("--seed", type=int, default=1, help="(default: %(default)s)")
             a_.add_argument("--out", default="job.json", help="the JSON file to write (default: %(default)s)")
         if action in ("superlink", "site", "run"):
