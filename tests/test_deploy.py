@@ -184,3 +184,151 @@ def test_a_site_serves_its_own_file_in_the_official_layout(tmp_path):
     np.savez(tmp_path / "bad.npz", images=np.zeros((3, 16, 16, 3), dtype=np.uint8))
     with pytest.raises(DataError, match="bad.npz"):
         prepare_site_files(tmp_path / "bad.npz", tmp_path / "bad", client_id=0, num_classes=4, n_channels=3)
+
+
+# ----- secure aggregation (SecAgg+): the server side holds the sites' mean only -----------------
+def test_secagg_gives_the_server_only_the_mean_and_the_simulators_records(study, tmp_path, monkeypatch):
+    """Under secagg, nothing of one site's upload reaches FlowerClients: every train request goes
+    through the transport's ``secure_train``, which hands back one mean and each site's
+    metrics (JSON counts); the engine's uploads are m identical rows (weights of ones), none equal
+    to a site's own upload, and their value is the n-weighted mean of the sites' uploads. The
+    records equal the simulator's (the in-process mean is exact; over Flower SecAgg+ quantises)."""
+    from medpfl.deploy.server import FlowerClients
+
+    d, jobs = study
+    job = jobs["fedavg"]
+    run_training(job, d / "arrays.npz", d / "samples.parquet", d / "partition.parquet", tmp_path / "sim")
+    transport = _sites(d, tmp_path, [[0], [1], [2]])
+    site_uploads, secure_out, plain_kinds, engine_got = [], [], [], []
+    orig_train, orig_secure, orig_request = Site.train, transport.secure_train, transport.request
+    orig_round = FlowerClients.train_round
+
+    def site_train(self, *a, **k):  # what each site computed (never sent as is)
+        tree, cfg = orig_train(self, *a, **k)
+        site_uploads.append(({c: n for c, n in zip(self.clients, self.hello()["num_samples"])},
+                             {kk: v.clone() for kk, v in tree["uploads"]["model"].items()}))
+        return tree, cfg
+
+    def secure(*a, **k):
+        mean, metrics = orig_secure(*a, **k)
+        secure_out.append((mean, metrics))
+        return mean, metrics
+
+    def request(requests, timeout):
+        plain_kinds.extend(kind for kind, _, _ in requests.values())
+        return orig_request(requests, timeout)
+
+    def train_round(self, *a, **k):
+        out = orig_round(self, *a, **k)
+        engine_got.append(out)
+        return out
+
+    monkeypatch.setattr(Site, "train", site_train)
+    monkeypatch.setattr(transport, "secure_train", secure)
+    monkeypatch.setattr(transport, "request", request)
+    monkeypatch.setattr(FlowerClients, "train_round", train_round)
+    run_deployed(job, d / "arrays.npz", d / "samples.parquet", d / "partition.parquet", tmp_path / "dep", transport,
+                 secagg=True)
+    rounds = job["train"]["rounds"]
+    assert "train" not in plain_kinds and transport.secure_rounds == rounds == len(secure_out) == len(engine_got)
+    for mean, metrics in secure_out:
+        assert isinstance(mean, list) and all(isinstance(a, np.ndarray) for a in mean)
+        for met in metrics.values():  # a site's metrics: its evaluation counts, nothing of its model
+            assert set(met) == {"reply"} and set(json.loads(met["reply"])) == {"test", "val", "bad_state"}
+    per_round = len(site_uploads) // rounds
+    for r, out in enumerate(engine_got):
+        rows = out.uploads["model"]
+        m = rows[next(iter(rows))].shape[0]
+        assert m == per_round >= 2 and torch.equal(out.uploads["num_samples"], torch.ones(m))
+        sent = site_uploads[r * per_round:(r + 1) * per_round]
+        n = torch.tensor([float(next(iter(ns.values()))) for ns, _ in sent], dtype=torch.float64)
+        for key, v in rows.items():
+            for j in range(1, m):
+                assert torch.equal(v[j], v[0])  # identical rows: the mean
+            mean = sum(w * up[key][0].double() for w, (_, up) in zip(n / n.sum(), sent))
+            torch.testing.assert_close(v[0].double(), mean, atol=1e-6, rtol=0)
+            if v[0].numel() > 1:  # no row is a site's own upload
+                assert not any(torch.equal(v[0], up[key][0]) for _, up in sent)
+    sim, dep = _records(tmp_path / "sim"), _records(tmp_path / "dep")
+    keys = ["round", "view", "client_id", "n_samples", "correct"]
+    pd.testing.assert_frame_equal(sim[keys], dep[keys])
+    for col in ("accuracy", "balanced_accuracy", "loss"):
+        np.testing.assert_allclose(dep[col], sim[col], atol=ATOL, rtol=0)
+
+
+def test_secagg_refuses_a_method_it_cannot_aggregate(study, tmp_path):
+    from medpfl.deploy.secagg import check_secagg
+    from medpfl.errors import ParamsError
+    from tests.conftest import make_algo
+
+    d, jobs = study
+    with pytest.raises(ParamsError, match=r"^secagg: .*'scaffold'.*control"):
+        run_deployed(jobs["scaffold"], d / "arrays.npz", d / "samples.parquet", d / "partition.parquet",
+                     tmp_path / "dep", _sites(d, tmp_path, [[0], [1], [2]]), secagg=True)
+    with pytest.raises(ParamsError, match=r"^secagg: .*'fedkper'.*score"):
+        check_secagg(make_algo("fedkper"), "fedkper")
+    with pytest.raises(DeploymentError, match="secagg: the site of node 0 holds clients \\[0, 2\\]"):
+        run_deployed(jobs["fedavg"], d / "arrays.npz", d / "samples.parquet", d / "partition.parquet",
+                     tmp_path / "dep2", _sites(d, tmp_path, [[0, 2], [1]]), secagg=True)
+
+
+def _applicable():
+    from medpfl.algorithms import REGISTRY
+    from medpfl.deploy.secagg import secagg_not_applicable
+    from tests.conftest import make_algo
+
+    return sorted(n for n in REGISTRY if secagg_not_applicable(make_algo(n, model=_model(n))) is None)
+
+
+def _model(method):
+    return "cnn4bn" if method == "fedbn" else "cnn4"  # FedBN needs BatchNorm layers
+
+
+def test_secagg_applies_to_exactly_the_listed_methods():
+    """The list in docs/deployment.md is the rule's."""
+    assert _applicable() == SECAGG_METHODS
+
+
+SECAGG_METHODS = ["apfl", "ditto", "fedala", "fedavg", "fedbabu", "fedbn", "fedgkd", "fedntd", "fedper", "fedprox",
+                  "fedrep", "fedrod", "moon", "perfedavg", "pfpslwc"]
+
+
+@pytest.mark.parametrize("method,overrides", [(m, {}) for m in SECAGG_METHODS]
+                         + [("apfl", {"weighting": "uniform"}), ("fedbn", {"weighting": "uniform"})])
+def test_the_secure_mean_gives_each_applicable_methods_own_aggregate(method, overrides):
+    """m rows equal to the secure mean (weights secagg_weight) with weights of ones give the
+    method's own aggregate of the m uploads: what lets SecAgg+ stand in for the server's reads."""
+    from medpfl.deploy.secagg import mean_uploads, secagg_weight
+    from medpfl.fl.program import Federation, RoundInfo
+    from medpfl.models import build_model
+    from tests.conftest import make_algo
+
+    algo = make_algo(method, model=_model(method), **overrides)
+    torch.manual_seed(0)
+    module = build_model(_model(method), 3, 4, 28)
+    params = {k: v.detach().clone() for k, v in [*module.named_parameters(), *module.named_buffers()]}
+    n = torch.tensor([10.0, 30.0, 45.0])
+    server = algo.init_server(params, Federation(num_clients=3, num_samples=(10, 30, 45), num_classes=4))
+    decl = type(algo).model_upload
+    shapes = algo.upload_spec()[decl.upload].shapes
+    g = torch.Generator().manual_seed(0)
+    ups = {k: (torch.randn(3, *s, generator=g) if params[k].is_floating_point()
+               else torch.randint(0, 50, (3, *s), generator=g)).to(params[k].dtype) for k, s in shapes.items()}
+    rnd = RoundInfo(round=0, rounds=1, lr=0.1, num_clients=3, seed=0, base_lr=0.1, batch_size=8)
+    clients = torch.arange(3)
+    own = algo.aggregate(server, {decl.upload: ups, "num_samples": n}, clients, rnd)
+    w = torch.tensor([float(secagg_weight(algo, int(x))) for x in n], dtype=torch.float64)
+    mean = [(w.view(-1, *[1] * s_.dim()) * ups[k].double()).sum(0).numpy() / float(w.sum())
+            for k, s_ in sorted((k, ups[k][0]) for k in ups)]
+    ref = {k: torch.zeros(s, dtype=params[k].dtype) for k, s in shapes.items()}
+    trick = algo.aggregate(server, mean_uploads(algo, {decl.reference: ref}, mean, 3, "cpu"), clients, rnd)
+    a, b = _by_path(own), _by_path(trick)
+    assert set(a) == set(b)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=1e-5, rtol=0, msg=k)
+
+
+def _by_path(tree):
+    import torch.utils._pytree as pytree
+
+    return {pytree.keystr(p): t for p, t in pytree.tree_flatten_with_path(tree)[0] if isinstance(t, torch.Tensor)}

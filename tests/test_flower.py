@@ -163,3 +163,57 @@ def test_a_killed_site_misses_rounds_then_rejoins_with_its_state(federation, tmp
     # "no state of client 2 after round 0"), and kept the newest one
     states = sorted(int(f.stem[5:]) for f in (tmp_path / "site2").glob("run-*/client2/round*.pt"))
     assert max(states) == 3, states
+
+
+#: SecAgg+ quantises each site's scaled update (weight/max_weight · Δ, Δ = upload − download) into
+#: 2^22 steps over [-clip, clip]: with clip 8 a step is 3.8e-6, so the mean update is off by a few
+#: 1e-6 per weight; measured on this job (2 rounds): see the test's printout and docs/deployment.md
+SECAGG_ATOL = 1e-4
+
+
+def test_flower_secagg_gives_the_simulators_counts(federation):
+    """FedAvg with ``secagg``: each round's uploads are summed under SecAgg+ (its four stages run,
+    in the ServerApp's log), and the records are the simulator's: the same per-class correct
+    counts in every round and view, accuracies and losses within the quantisation tolerance."""
+    d, jobs, files, fed = federation
+    job = jobs["fedavg"]
+    (d / "secagg.json").write_text(json.dumps(job))
+    out = d / "flower-fedavg-secagg"
+    t0 = time.perf_counter()
+    res = fed.run({"job": str(d / "secagg.json"), **files, "out-dir": str(out), "parent": "", "timeout": 60.0,
+                   "secagg": True, "secagg-clip": 8.0})
+    deployed_s = time.perf_counter() - t0
+    text = (res.stdout or "") + (res.stderr or "")
+    rounds = job["train"]["rounds"]
+    assert text.count("Secure aggregation commencing") == rounds, text[-3000:]
+    assert text.count("Secure aggregation completed") == rounds, text[-3000:]
+    assert "Secure aggregation halted" not in text
+    sim_dir = d / "sim-fedavg-secagg"
+    run_training(job, d / "arrays.npz", d / "samples.parquet", d / "partition.parquet", sim_dir)
+    sim, dep = _records(sim_dir), _records(out)
+    keys = ["round", "view", "client_id", "n_samples", "correct"]
+    pd.testing.assert_frame_equal(sim[keys], dep[keys])
+    worst = {col: float(np.abs(dep[col].to_numpy() - sim[col].to_numpy()).max())
+             for col in ("accuracy", "balanced_accuracy", "loss")}
+    for col in worst:
+        np.testing.assert_allclose(dep[col], sim[col], atol=SECAGG_ATOL, rtol=0)
+    a = torch.load(sim_dir / "final_model.pt", weights_only=False)["global"]
+    b = torch.load(out / "final_model.pt", weights_only=False)["global"]
+    model_err = max(float((b[k].double() - a[k].double()).abs().max()) for k in a)
+    assert model_err < SECAGG_ATOL
+    rr = read_parquet(out / "rounds.parquet")
+    assert (rr["missing_clients"] == "").all()
+    print(f"\nfedavg+secagg: deployed {deployed_s:.1f} s ({rr['round_seconds'].mean():.1f} s/round, train "
+          f"{rr['train_seconds'].mean():.1f} s/round); max |Δ| vs simulator: global model {model_err:.2e}, "
+          + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()))
+
+
+def test_flower_secagg_refuses_a_method_it_cannot_aggregate(federation):
+    from medpfl.errors import DeploymentError
+
+    d, jobs, files, fed = federation
+    (d / "secagg-scaffold.json").write_text(json.dumps(jobs["scaffold"]))
+    with pytest.raises(DeploymentError) as e:
+        fed.run({"job": str(d / "secagg-scaffold.json"), **files, "out-dir": str(d / "secagg-scaffold"), "parent": "",
+                 "timeout": 60.0, "secagg": True})
+    assert "secagg: secure aggregation (SecAgg+) cannot run with method 'scaffold'" in str(e.value), str(e.value)

@@ -271,7 +271,7 @@ def cmd_deploy(a) -> int:
         cfg = {"job": str(Path(a.job).resolve()), "arrays": str(Path(a.arrays).resolve()),
                "samples": str(Path(a.samples).resolve()), "partition-table": str(Path(a.partition_table).resolve()),
                "out-dir": str(Path(a.out_dir).resolve()), "parent": str(Path(a.parent).resolve()) if a.parent else "",
-               "timeout": float(a.timeout)}
+               "timeout": float(a.timeout), "secagg": bool(a.secagg), "secagg-clip": float(a.secagg_clip)}
         fp.flwr_run(cfg, home, capture=False)  # raises DeploymentError (one line) when the run wrote nothing
         print(f"deployed run done: {cfg['out-dir']}")
         return 0
@@ -626,6 +626,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "(results/<study>/mlflow_parent.json) to log the run under")
             a_.add_argument("--timeout", type=float, default=600.0, metavar="S", help="seconds a round waits for "
                             "the sites (default: %(default)s)")
+            a_.add_argument("--secagg", action="store_true", help="sum each round's model upload under Flower's "
+                            "SecAgg+: the server sees only the sites' weighted mean (docs/deployment.md)")
+            a_.add_argument("--secagg-clip", type=float, default=8.0, metavar="C", help="SecAgg+'s clipping range "
+                            "of a site's update (weight/max weight x (upload - download)); a site whose update "
+                            "leaves it stops the round (default: %(default)s)")
 
     s = command("check-params", cmd_check_params)
     s.add_argument("params", nargs="?", default="params.yaml", help="the params file (default: %(default)s)")

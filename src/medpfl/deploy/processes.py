@@ -80,9 +80,13 @@ def write_cli_config(home: Path, address: str, certs: Path | None = None) -> Non
 
 
 def run_config_arg(cfg: dict) -> str:
-    """``--run-config`` text: strings quoted (TOML), numbers as they are."""
+    """``--run-config`` text: strings quoted (TOML), numbers as they are, booleans as
+    ``true``/``false``."""
     parts = []
     for k, v in cfg.items():
+        if isinstance(v, bool):
+            parts.append(f"{k}={'true' if v else 'false'}")
+            continue
         parts.append(f"{k}={v}" if isinstance(v, (int, float)) and not isinstance(v, bool) else f'{k}="{v}"')
     return " ".join(parts)
 

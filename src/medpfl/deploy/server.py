@@ -15,6 +15,7 @@ reaches the site again (a restarted site keeps its state on its disk).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Any, Callable, Protocol
@@ -39,6 +40,18 @@ class Transport(Protocol):
     def nodes(self) -> list[int]: ...
 
     def request(self, requests: dict[int, tuple[str, Any, dict]], timeout: float) -> dict[int, Any]: ...
+
+
+class SecureTransport(Transport, Protocol):
+    """A transport that can also run a round's training under secure aggregation (``secagg``):
+    ``secure_train({node: (tree, config)}, timeout, weights, max_weight, clip)`` sends each node
+    its ``train`` request and returns ``(mean, metrics)``: the weighted mean of the sites'
+    update leaves (``weights[node]`` each; None when the protocol failed) and each contributing
+    node's metrics (``{"reply": JSON}``, :func:`medpfl.deploy.secagg.site_update`) or the
+    Exception it failed with. No single site's update is in what it returns."""
+
+    def secure_train(self, requests: dict[int, tuple[Any, dict]], timeout: float, weights: dict[int, float],
+                     max_weight: float, clip: float) -> tuple[list | None, dict[int, Any]]: ...
 
 
 #: the least time ``hello`` and ``init`` wait for the sites (seconds)
@@ -74,8 +87,14 @@ class FlowerClients:
     reports_missing = True
 
     def __init__(self, transport: Transport, job: dict, run_key: str, timeout: float = 600.0,
-                 checkpointing: bool = True, device: torch.device | str = "cpu"):
+                 checkpointing: bool = True, device: torch.device | str = "cpu", secagg: bool = False,
+                 secagg_clip: float | None = None):
+        from medpfl.deploy.secagg import DEFAULT_CLIP
+
         self.transport = transport
+        #: SecAgg+ of the model upload (:mod:`medpfl.deploy.secagg`); needs one client per site
+        self.secagg = bool(secagg)
+        self.secagg_clip = float(DEFAULT_CLIP if secagg_clip is None else secagg_clip)
         self.job = job
         self.run_key = run_key
         self.timeout = timeout
@@ -118,6 +137,8 @@ class FlowerClients:
                                   "client-ids) and run again")
         if len(classes) != 1:
             raise DeploymentError(f"the sites disagree on the number of classes: {sorted(classes)}")
+        if self.secagg:
+            self._one_client_per_site(node_of)
         self.node_of = node_of
         self._known = set(nodes)
         self.federation = Federation(num_clients=k, num_samples=tuple(num_samples[c] for c in range(k)),
@@ -147,6 +168,21 @@ class FlowerClients:
                 if old != n:
                     log.info("client %d is now at node %d (was %s)", c, n, old)
                 self.node_of[int(c)] = n
+        if self.secagg:
+            self._one_client_per_site({c: n for c, n in self.node_of.items() if n in nodes})
+
+    @staticmethod
+    def _one_client_per_site(node_of: dict[int, int]) -> None:
+        """secagg: a site's weight and update are its one client's (the secure sum is over sites)."""
+        held: dict[int, list[int]] = {}
+        for c, n in node_of.items():
+            held.setdefault(n, []).append(c)
+        several = {n: sorted(cs) for n, cs in held.items() if len(cs) > 1}
+        if several:
+            n, cs = next(iter(sorted(several.items())))
+            raise DeploymentError(f"secagg: the site of node {n} holds clients {cs}; secure aggregation sums one "
+                                  "update per site, so each site must hold exactly one client (node config "
+                                  "client-ids)")
 
     def _base(self) -> dict:
         return {"job": self.job, "run_key": self.run_key}
@@ -199,6 +235,8 @@ class FlowerClients:
     def train_round(self, algo: Algorithm, down: Download, trainers: np.ndarray, rnd: RoundInfo,
                     score_val: bool) -> TrainedRound:
         self._refresh()
+        if self.secagg:
+            return self._secure_train_round(algo, down, trainers, rnd, score_val)
         pos = {int(c): j for j, c in enumerate(trainers)}
         groups = self._by_node(trainers)
         requests = {}
@@ -223,6 +261,52 @@ class FlowerClients:
             uploads = {}
         test = self._cat([replies[n][0]["test"] for n in nodes_ok], pick)
         val = self._cat([replies[n][0]["val"] for n in nodes_ok], pick) if score_val else None
+        self._pending = answered
+        self._round = rnd.round
+        return TrainedRound(uploads, test, val, {}, bad_state=bad, missing=missing)
+
+    def _secure_train_round(self, algo: Algorithm, down: Download, trainers: np.ndarray, rnd: RoundInfo,
+                            score_val: bool) -> TrainedRound:
+        """The round's local training with the model upload summed under SecAgg+: the server gets
+        the sites' weighted mean update only, and hands the engine m rows each equal to it with
+        weights of ones (:func:`medpfl.deploy.secagg.mean_uploads`)."""
+        from medpfl.deploy.secagg import counts_from_json, mean_uploads, protocol_params, secagg_weight
+
+        trainers = [int(c) for c in trainers]
+        pos = {c: j for j, c in enumerate(trainers)}
+        protocol_params(len(trainers))  # raises for a round with fewer than 2 sites
+        requests, weights = {}, {}
+        for c in trainers:
+            n = self.node_of[c]
+            rows = torch.as_tensor([pos[c]], dtype=torch.int64)
+            tree = {"shared": down.shared, "synced": down.synced, "per_client": tree_index(down.per_client, rows)}
+            cfg = {**self._base(), "rnd": round_config(rnd), "trainers": [c], "from": self._from([c]),
+                   "keep_from": self._keep([c]), "score_val": bool(score_val), "to_all": bool(down.to_all)}
+            requests[n] = (tree, cfg)
+            weights[n] = float(secagg_weight(algo, self.federation.num_samples[c]))
+        max_weight = max(weights.values())
+        t0 = time.perf_counter()
+        mean, metrics = self.transport.secure_train(requests, self.timeout, weights, max_weight, self.secagg_clip)
+        what = f"round {rnd.round + 1} training (secagg)"
+        failed = {n: e for n, e in metrics.items() if isinstance(e, Exception)}
+        if failed:
+            n, e = next(iter(sorted(failed.items())))
+            raise DeploymentError(f"{what}: the site of node {n} failed: {e}") from e
+        if mean is None:
+            raise DeploymentError(f"{what}: secure aggregation did not complete ({len(metrics)} of {len(requests)} "
+                                  "sites sent their masked update; fewer than its reconstruction threshold)")
+        log.debug("%s: %d of %d sites in %.2f s", what, len(metrics), len(requests), time.perf_counter() - t0)
+        answered = [c for c in trainers if self.node_of[c] in metrics]
+        missing = tuple(sorted(set(trainers) - set(answered)))
+        for c in missing:
+            log.warning("%s: the site of client %d sent no masked update; it leaves this round", what, c)
+        replies = {self.node_of[c]: json.loads(metrics[self.node_of[c]]["reply"]) for c in answered}
+        bad = next((r["bad_state"] for r in replies.values() if r.get("bad_state")), None)
+        uploads = mean_uploads(algo, down.shared, mean, len(answered), self.device) if answered else {}
+        order = list(range(len(answered)))
+        test = self._cat([counts_from_json(replies[self.node_of[c]]["test"]) for c in answered], order)
+        val = (self._cat([counts_from_json(replies[self.node_of[c]]["val"]) for c in answered], order)
+               if score_val else None)
         self._pending = answered
         self._round = rnd.round
         return TrainedRound(uploads, test, val, {}, bad_state=bad, missing=missing)
@@ -290,6 +374,7 @@ class InProcessTransport:
         self.sites: dict[int, Any] = {}
         self.down: set[int] = set()
         self.bytes_sent = 0
+        self.secure_rounds = 0
 
     def nodes(self) -> list[int]:
         return list(self.node_ids)
@@ -311,6 +396,31 @@ class InProcessTransport:
             a2, m2 = pack(rtree)
             out[n] = (unpack(a2, m2), rcfg)
         return out
+
+    def secure_train(self, requests: dict[int, tuple[Any, dict]], timeout: float, weights: dict[int, float],
+                     max_weight: float, clip: float) -> tuple[list | None, dict[int, Any]]:
+        """:class:`SecureTransport`'s round with an exact weighted mean in float64 standing in for
+        SecAgg+ (no masking, no quantisation): what :class:`FlowerClients` gets is the same
+        shape as over Flower, the mean and each site's metrics."""
+        from medpfl.deploy.wire import pack, unpack
+
+        total, sums, metrics = 0.0, None, {}
+        for n, (tree, cfg) in requests.items():
+            if n in self.down:
+                continue
+            arrays, meta = pack(tree)
+            self.bytes_sent += sum(a.nbytes for a in arrays.values())
+            try:
+                leaves, met = secure_handle(self._site(n, cfg), unpack(arrays, meta), cfg, weights[n], max_weight, clip)
+            except Exception as e:  # noqa: BLE001 - a site's failure is its reply
+                metrics[n] = e
+                continue
+            w = float(weights[n])
+            sums = [w * a for a in leaves] if sums is None else [s_ + w * a for s_, a in zip(sums, leaves)]
+            total += w
+            metrics[n] = met
+        self.secure_rounds += 1
+        return (None if sums is None else [s_ / total for s_ in sums]), metrics
 
     def _site(self, n: int, cfg: dict):
         if n not in self.sites:
@@ -344,8 +454,22 @@ def handle(site, kind: str, tree: Any, cfg: dict) -> tuple[Any, dict]:
     raise ValueError(f"unknown request {kind!r}")
 
 
+def secure_handle(site, tree: Any, cfg: dict, weight: float, max_weight: float, clip: float
+                  ) -> tuple[list[np.ndarray], dict[str, str]]:
+    """A ``train`` request under secagg at a site holding one client: the same local program as
+    :func:`handle` (state saved, upload checked against the spec before anything leaves), then
+    the site's update leaves and metrics for the secure sum (:func:`medpfl.deploy.secagg.site_update`)."""
+    from medpfl.deploy.secagg import site_update
+
+    if len(cfg["trainers"]) != 1:
+        raise DeploymentError(f"secagg: a site trains one client per round, asked for {cfg['trainers']}")
+    reply = handle(site, "train", tree, cfg)
+    return site_update(site.algo, tree["shared"], reply, weight, max_weight, clip, int(cfg["trainers"][0]))
+
+
 def run_deployed(job: dict, arrays, samples, partition_table, out_dir, transport: Transport,
-                 parent_file=None, timeout: float = 600.0) -> None:
+                 parent_file=None, timeout: float = 600.0, secagg: bool = False, secagg_clip: float | None = None
+                 ) -> None:
     """One job on the sites behind ``transport``, end to end, with the outputs of ``medpfl
     train`` in ``out_dir`` (``records.parquet``, ``rounds.parquet`` with ``missing_clients``,
     ``job.json``, ``final_model.pt`` with the global model; checkpoints and resume) and, with
@@ -353,8 +477,10 @@ def run_deployed(job: dict, arrays, samples, partition_table, out_dir, transport
 
     The server reads ``arrays``/``samples``/``partition_table`` for the model's input shape and
     the global test set only; every client's training and evaluation runs at its site.
-    Raises DeploymentError when the sites do not cover the job's clients, and whatever
-    ``medpfl train`` raises."""
+    ``secagg``: the model upload summed under SecAgg+ (:mod:`medpfl.deploy.secagg`; ``transport``
+    must be a :class:`SecureTransport`), ``secagg_clip`` its clipping range.
+    Raises DeploymentError when the sites do not cover the job's clients, ParamsError naming
+    ``secagg`` for a method it cannot aggregate, and whatever ``medpfl train`` raises."""
     from pathlib import Path
 
     from medpfl.errors import ParamsError
@@ -368,8 +494,13 @@ def run_deployed(job: dict, arrays, samples, partition_table, out_dir, transport
     key = run_key(job)
 
     def factory(fdata, algo, train):
+        if secagg:
+            from medpfl.deploy.secagg import check_secagg
+
+            check_secagg(algo, job["method"])
         return FlowerClients(transport, job, key, timeout=timeout, checkpointing=bool(train.checkpoint_every),
-                             device=fdata.device)
+                             device=fdata.device, secagg=secagg, secagg_clip=secagg_clip)
 
     run_training(job, Path(arrays), Path(samples), Path(partition_table), Path(out_dir), parent_file,
-                 clients_factory=factory, extra_tags={"execution": "flower"})
+                 clients_factory=factory,
+                 extra_tags={"execution": "flower", **({"secagg": "secaggplus"} if secagg else {})})
