@@ -223,8 +223,12 @@ def cmd_deploy(a) -> int:
     import tempfile
 
     from medpfl.deploy import processes as fp
+    from medpfl.errors import DeploymentError
 
     certs = Path(a.certs) if getattr(a, "certs", None) else None
+    if a.action in ("superlink", "site", "run") and certs is None and not a.insecure:
+        raise DeploymentError(f"medpfl deploy {a.action}: give --certs FOLDER (TLS and SuperNode authentication; "
+                              "make it with `medpfl deploy certs`) or, for a test on loopback only, --insecure")
     if a.action == "certs":
         from medpfl.deploy.certs import make_certificates
 
@@ -559,8 +563,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = command("deploy", cmd_deploy, epilog=textwrap.fill(
         "A deployment: make certificates once (certs), start the SuperLink on the server (superlink), register "
         "each site's public key (flwr supernode register SITE.pub medpfl), start a SuperNode at each site "
-        "(site), then run a job (job writes one from the params; run). Without --certs, superlink, site and run "
-        "use --insecure: for a loopback test only. See docs/deployment.md.", break_on_hyphens=False))
+        "(site), then run a job (job writes one from the params; run). superlink, site and run need --certs "
+        "(TLS and SuperNode authentication) or, for a loopback test only, --insecure. See docs/deployment.md.", break_on_hyphens=False))
     d_sub = s.add_subparsers(dest="action", required=True,
                              metavar="{certs,prepare-site,job,superlink,site,run}", help="what to do")
     for action, text in (("certs", "make a CA, the SuperLink's TLS certificate and a key pair per site"),
@@ -597,7 +601,9 @@ def build_parser() -> argparse.ArgumentParser:
         if action in ("superlink", "site", "run"):
             a_.add_argument("--certs", metavar="FOLDER", help="TLS: the folder of `deploy certs` (the SuperLink "
                             "reads ca.crt, server.pem, server.key and authenticates sites; a site and run read "
-                            "ca.crt); without it: --insecure, loopback tests only")
+                            "ca.crt)")
+            a_.add_argument("--insecure", action="store_true", help="plain HTTP without node authentication: "
+                            "for a test on loopback only")
         if action == "superlink":
             a_.add_argument("--host", default="0.0.0.0", help="address to listen on (default: %(default)s)")
             a_.add_argument("--port", type=int, default=9092, help="the one HTTP port of the Fleet, Control and "
