@@ -169,7 +169,8 @@ def test_adaptation_is_one_sgd_step_from_the_personalized_model(fed_data):
     eng = _engine(adapt, fed_data, "sequential", rounds=1)
     w = eng.run().global_params
     k = fed_data.num_clients
-    adapted = eng._adapted({n: v.unsqueeze(0).expand(k, *v.shape).clone() for n, v in w.items()}, 0)
+    adapted = eng.clients.adapted(adapt, {n: v.unsqueeze(0).expand(k, *v.shape).clone() for n, v in w.items()},
+                                  eng.round_info(0))
     ph = adapt.adaptation_phases(None)[0]
     for c in (0, k - 1):
         ids = fed_data.client_train[c]

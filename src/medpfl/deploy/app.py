@@ -94,33 +94,16 @@ class GridTransport:
         Replies are matched to their node by the message they answer: an error the SuperLink
         itself sends (node offline, message expired) comes from node id 1, not the site."""
         self._group += 1
-        order = list(requests.items())
         msgs = [Message(content=to_content(tree, cfg), dst_node_id=int(n), message_type=MESSAGE_TYPES[kind],
                         group_id=str(self._group), ttl=max(timeout, 60.0))
-                for n, (kind, tree, cfg) in order]
-        ids = list(self.grid.push_messages(msgs))
-        node_of = {mid: int(n) for mid, (n, _) in zip(ids, order)}
-        pending = set(ids)
+                for n, (kind, tree, cfg) in requests.items()]
         out: dict[int, Any] = {}
-        deadline = time.monotonic() + timeout
-        while pending:
-            for rep in self.grid.pull_messages(list(pending)):
-                mid = rep.metadata.reply_to_message_id
-                if mid not in pending:
-                    continue
-                pending.discard(mid)
-                n = node_of[mid]
-                if rep.has_error():
-                    out[n] = DeploymentError(f"[code {rep.error.code}] {rep.error.reason}")
-                else:
-                    out[n] = from_content(rep.content)
-            if not pending or time.monotonic() >= deadline:
-                break
-            time.sleep(POLL_S)
-        # a node the SuperLink reports offline (code 5) did not answer: the round goes on without it
-        return {n: r for n, r in out.items()
-                if not (isinstance(r, DeploymentError) and str(r).startswith(f"[code {NODE_UNAVAILABLE}]"))}
-
+        for n, rep in push_and_pull(self.grid, msgs, timeout):
+            if not rep.has_error():
+                out[n] = from_content(rep.content)
+            elif rep.error.code != NODE_UNAVAILABLE:  # offline (code 5): it did not answer, the round goes on
+                out[n] = DeploymentError(f"[code {rep.error.code}] {rep.error.reason}")
+        return out
 
     def secure_train(self, requests: dict[int, tuple[Any, dict]], timeout: float, weights: dict[int, float],
                      max_weight: float, clip: float) -> tuple[list | None, dict[int, Any]]:
@@ -200,27 +183,36 @@ class _FastGrid:
         return getattr(self._grid, name)
 
     def send_and_receive(self, messages, *, timeout: float | None = None):
-        messages = list(messages)
-        ids = list(self._grid.push_messages(messages))
-        dst = {mid: int(m.metadata.dst_node_id) for mid, m in zip(ids, messages)}
-        pending, out = set(ids), []
-        deadline = time.monotonic() + (timeout if timeout is not None else 3600.0)
-        while pending:
-            for rep in self._grid.pull_messages(list(pending)):
-                mid = rep.metadata.reply_to_message_id
-                if mid not in pending:
-                    continue
-                pending.discard(mid)
-                if rep.has_error():
-                    if rep.error.code != NODE_UNAVAILABLE:
-                        self._errors.setdefault(dst[mid], DeploymentError(f"[code {rep.error.code}] "
-                                                                          f"{rep.error.reason}"))
-                    continue  # the workflow drops the node either way
+        out = []
+        for n, rep in push_and_pull(self._grid, messages, 3600.0 if timeout is None else timeout):
+            if not rep.has_error():
                 out.append(rep)
-            if not pending or time.monotonic() >= deadline:
-                break
-            time.sleep(POLL_S)
+            elif rep.error.code != NODE_UNAVAILABLE:  # the workflow drops the node either way
+                self._errors.setdefault(n, DeploymentError(f"[code {rep.error.code}] {rep.error.reason}"))
         return out
+
+
+def push_and_pull(grid: Grid, messages, timeout: float) -> list[tuple[int, Message]]:
+    """Push ``messages``, then pull the replies every :data:`POLL_S` seconds until all have
+    answered or ``timeout`` seconds have passed (``Grid.send_and_receive`` waits 3 s between
+    pulls). Returns ``(destination node, reply)`` per reply: a reply is matched to its message by
+    ``reply_to_message_id``, since an error the SuperLink itself sends (node offline, message
+    expired) comes from node id 1, not the site."""
+    messages = list(messages)
+    ids = list(grid.push_messages(messages))
+    dst = {mid: int(m.metadata.dst_node_id) for mid, m in zip(ids, messages)}
+    pending, out = set(ids), []
+    deadline = time.monotonic() + timeout
+    while pending:
+        for rep in grid.pull_messages(list(pending)):
+            mid = rep.metadata.reply_to_message_id
+            if mid in pending:
+                pending.discard(mid)
+                out.append((dst[mid], rep))
+        if not pending or time.monotonic() >= deadline:
+            break
+        time.sleep(POLL_S)
+    return out
 
 
 # ----- the ServerApp --------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from medpfl.algorithms.base import Algorithm
 from medpfl.errors import DeploymentError
 from medpfl.fl.clients import EvalResult, TrainedRound
 from medpfl.fl.program import Download, Federation, RoundInfo
-from medpfl.fl.tree import tree_index, tree_map, tree_stack
+from medpfl.fl.tree import tree_index, tree_map
 
 log = logging.getLogger(__name__)
 

@@ -180,11 +180,17 @@ class LocalClients:
         else:
             pm = tree_stack([algo.personalized_model(tree_index(self.states, j), server)
                              for j in range(len(self.only))])
-        if rnd is not None:
-            phases = algo.adaptation_phases(rnd)
-            if phases:
-                pm = ex.adapt_models(algo, phases, pm, np.asarray(self.clients, dtype=np.int64), rnd)
-        return pm
+        return pm if rnd is None else self.adapted(algo, pm, rnd)
+
+    def adapted(self, algo: Algorithm, models: Any, rnd: RoundInfo) -> Any:
+        """``models`` (stacked, rows as :attr:`clients`) after the method's evaluation-time
+        program (``adaptation_phases(rnd)``) on each client's local train split, run by the
+        executor (one vmapped program on the stacked executor); unchanged when the method declares
+        none for this round."""
+        phases = algo.adaptation_phases(rnd)
+        if not phases:
+            return models
+        return self.executor.adapt_models(algo, phases, models, np.asarray(self.clients, dtype=np.int64), rnd)
 
     def evaluate(self, algo: Algorithm, server: dict, rnd: RoundInfo, *, global_model: Any, personalized: bool,
                  val: bool, personalized_global: bool) -> EvalResult:

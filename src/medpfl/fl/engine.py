@@ -374,18 +374,6 @@ class Engine:
         sampled = sampled[~np.isin(sampled, gone)]
         return trainers, sampled, (None if agg_pos is None else np.searchsorted(trainers, sampled))
 
-    def _adapted(self, models: Any, r: int) -> Any:
-        """Every client's personalized model after the method's evaluation-time program
-        (``adaptation_phases``) on its local train split, run by the executor for all K clients
-        (one vmapped program on the stacked executor); stacked [K]. ``models`` unchanged when
-        the method declares no program for round ``r``."""
-        rnd = self.round_info(r)
-        phases = self.algo.adaptation_phases(rnd)
-        if not phases:
-            return models
-        return self.executor.adapt_models(self.algo, phases, models,
-                                          np.arange(self.federation.num_clients, dtype=np.int64), rnd)
-
     def _evaluate(self, server: dict[str, Any], r: int) -> list[dict]:
         """The evaluation round's records: the global model on the global test set here (where
         this process has one) and, on the client side, on every local test (and val) split;
