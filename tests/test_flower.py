@@ -71,7 +71,10 @@ def _records(folder):
     return read_parquet(folder / "records.parquet").sort_values(["round", "view", "client_id"]).reset_index(drop=True)
 
 
-@pytest.mark.parametrize("method", METHODS)
+#: over real processes, the personalized method (client state kept at the site) and the one with
+#: control variates in its upload; FedAvg's records over the same processes are checked by the
+#: SecAgg+ test below, and all three in process by tests/test_deploy.py
+@pytest.mark.parametrize("method", ("ditto", "scaffold"))
 def test_flower_deployment_gives_the_simulators_records(federation, method):
     d, jobs, files, fed = federation
     t0 = time.perf_counter()
@@ -123,7 +126,7 @@ def test_a_killed_site_misses_rounds_then_rejoins_with_its_state(federation, tmp
     SIGKILLed node's key for about a minute, until the SuperLink times the old connection out."""
     d, jobs, files, _ = federation
     sites = [{**files, "client-ids": str(c), "state-dir": str(tmp_path / f"site{c}")} for c in range(3)]
-    job = {**jobs["ditto"], "train": {**jobs["ditto"]["train"], "rounds": 4, "participation": 1.0}}
+    job = {**jobs["ditto"], "train": {**jobs["ditto"]["train"], "rounds": 3, "participation": 1.0}}
     (d / "fault.json").write_text(json.dumps(job))
     out = d / "fault"
     import subprocess
@@ -157,12 +160,12 @@ def test_a_killed_site_misses_rounds_then_rejoins_with_its_state(federation, tmp
     assert missing[0] == "" and missing[1] == "2" and missing[-1] == "", (missing, text[-3000:])
     rec = read_parquet(out / "records.parquet")
     assert 2 not in rec[rec["round"] == 1]["client_id"].tolist()
-    last = rec[(rec["round"] == 3) & (rec["view"] == "personalized_on_local")]
+    last = rec[(rec["round"] == 2) & (rec["view"] == "personalized_on_local")]
     assert sorted(last["client_id"]) == [0, 1, 2]
     # the restarted site went on from the state on its disk (a missing file fails the round with
     # "no state of client 2 after round 0"), and kept the newest one
     states = sorted(int(f.stem[5:]) for f in (tmp_path / "site2").glob("run-*/client2/round*.pt"))
-    assert max(states) == 3, states
+    assert max(states) == 2, states
 
 
 #: SecAgg+ quantises each site's scaled update (weight/max_weight · Δ, Δ = upload − download) into

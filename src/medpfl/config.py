@@ -879,6 +879,10 @@ class TrainConfig(_Strict):
     executor: Literal["auto", "sequential", "stacked"] = "auto"
     precision: Literal["fp32", "bf16"] = Field("fp32", description="bf16: autocast the local forward/backward")
     checkpoint_every: int = Field(10, ge=0, description="rounds between checkpoints; 0 = never")
+    stack_clients: int | None = Field(
+        None, ge=1, description="stacked executor: at most this many clients train (and are evaluated) at once; a "
+                                "round's clients run in consecutive chunks of this size (null: all at once). Bounds "
+                                "memory for large backbones; records equal the unchunked run within float tolerance")
     deterministic: bool = Field(True, description="on CUDA: deterministic algorithms where torch has them "
                                                   "(warn_only), CUBLAS_WORKSPACE_CONFIG=:4096:8, cuDNN deterministic, "
                                                   "no cuDNN benchmark (medpfl.environment); no effect on a CPU")
@@ -919,8 +923,8 @@ class TrainConfig(_Strict):
     def _drop_later_defaults(self, handler):
         """Keys added after runs existed are not dumped at their default: a model without
         arguments dumps no ``model_args``, and ``deterministic: true``, the default
-        ``transform``, ``server_optimizer: null``, ``upload: []`` and ``dp: null`` are not
-        dumped. The job
+        ``transform``, ``server_optimizer: null``, ``upload: []``, ``dp: null`` and
+        ``stack_clients: null`` are not dumped. The job
         descriptions (and so the Snakemake params triggers and checkpoint fingerprints) of such
         runs stay as they were before these keys existed; a non-default value is dumped and
         re-runs exactly the jobs it applies to."""
@@ -938,6 +942,8 @@ class TrainConfig(_Strict):
                 out.pop("upload")
             if out.get("dp", False) is None:
                 out.pop("dp")
+            if out.get("stack_clients", False) is None:
+                out.pop("stack_clients")
         return out
 
     @field_validator("upload")

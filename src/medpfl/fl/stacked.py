@@ -37,6 +37,11 @@ from medpfl.fl.program import Download, Pass, Phase, RoundInfo, pass_plan, phase
 from medpfl.fl.tree import tree_clone, tree_index, tree_leaves, tree_map
 
 
+def _tree_cat(parts: list[Any]) -> Any:
+    """Stacked trees (leading dim m_i each) -> one stacked tree, rows in order."""
+    return parts[0] if len(parts) == 1 else tree_map(lambda *xs: torch.cat(xs), parts[0], *parts[1:])
+
+
 def _rows(tree: Any, dims: Any, a: int) -> Any:
     """The first ``a`` clients of the per-client leaves (dims 0); shared leaves (None) unchanged."""
     if dims is None:
@@ -240,8 +245,31 @@ class StackedExecutor(SequentialExecutor):
         t = {tn: {k: v.detach().contiguous() for k, v in tree.items()} for tn, tree in t.items()}  # laid back
         return (t if plan.identity else tree_index(t, plan.inverse)), plan.steps_k
 
+    def _chunks(self, m: int) -> list[slice]:
+        """Consecutive row ranges of at most ``train.stack_clients`` rows (one range when unset)."""
+        size = getattr(self.train, "stack_clients", None) or max(m, 1)
+        return [slice(a, min(a + size, m)) for a in range(0, m, size)] or [slice(0, 0)]
+
     def train_clients(self, algo: Algorithm, down: Download, states: dict[str, Any], clients: np.ndarray,
                       rnd: RoundInfo) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+        """As :meth:`SequentialExecutor.train_clients`, the m clients vmapped together, or in
+        consecutive chunks of ``train.stack_clients`` clients (each chunk one vmapped program;
+        a client's batch plans depend on (seed, round, client) only, so chunking changes no
+        draw, only which rows share a batched kernel). Returns stacked ``(eval models, uploads,
+        new states)`` with leading dim m, rows in ``clients`` order."""
+        chunks = self._chunks(len(clients))
+        if len(chunks) == 1:
+            return self._train_stacked(algo, down, states, clients, rnd)
+        outs = []
+        for sl in chunks:
+            rows = torch.arange(sl.start, sl.stop, device=self.data.device)
+            sub = Download(shared=down.shared, per_client=tree_index(down.per_client, rows), to_all=down.to_all,
+                           synced=down.synced)
+            outs.append(self._train_stacked(algo, sub, tree_index(states, rows), clients[sl], rnd))
+        return tuple(_tree_cat([o[i] for o in outs]) for i in range(3))
+
+    def _train_stacked(self, algo: Algorithm, down: Download, states: dict[str, Any], clients: np.ndarray,
+                       rnd: RoundInfo) -> tuple[Any, dict[str, Any], dict[str, Any]]:
         data, dev = self.data, self.data.device
         cl = [int(c) for c in clients]
         m = len(cl)
@@ -281,7 +309,17 @@ class StackedExecutor(SequentialExecutor):
 
     def adapt_models(self, algo: Algorithm, phases: list[Phase], models: Any, clients: np.ndarray,
                      rnd: RoundInfo) -> Any:
-        """As :meth:`SequentialExecutor.adapt_models`, all m clients as one vmapped program."""
+        """As :meth:`SequentialExecutor.adapt_models`, all m clients as one vmapped program (or
+        one per chunk of ``train.stack_clients``)."""
+        chunks = self._chunks(len(clients))
+        if len(chunks) == 1:
+            return self._adapt_stacked(algo, phases, models, clients, rnd)
+        dev = self.data.device
+        return _tree_cat([self._adapt_stacked(algo, phases, tree_index(models, torch.arange(sl.start, sl.stop, device=dev)),
+                                              clients[sl], rnd) for sl in chunks])
+
+    def _adapt_stacked(self, algo: Algorithm, phases: list[Phase], models: Any, clients: np.ndarray,
+                       rnd: RoundInfo) -> Any:
         self._check_phases(algo, phases)
         cl = [int(c) for c in clients]
         groups = [self.data.client_train[c] for c in cl]
@@ -294,8 +332,20 @@ class StackedExecutor(SequentialExecutor):
     @torch.no_grad()
     def evaluate_models(self, algo: Algorithm, models: Any, groups: list[torch.Tensor]
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Model j on ``groups[j]``, all models at once. Returns ``(correct [m, C], count [m, C],
-        loss_sum [m])`` (float64)."""
+        """Model j on ``groups[j]``, all models at once (or in chunks of ``train.stack_clients``
+        models), ``eval_batch_size`` samples per forward in all. Returns ``(correct [m, C],
+        count [m, C], loss_sum [m])`` (float64)."""
+        chunks = self._chunks(len(groups))
+        if len(chunks) == 1:
+            return self._evaluate_stacked(algo, models, groups)
+        dev = self.data.device
+        outs = [self._evaluate_stacked(algo, tree_index(models, torch.arange(sl.start, sl.stop, device=dev)),
+                                       groups[sl]) for sl in chunks]
+        return tuple(torch.cat([o[i] for o in outs]) for i in range(3))
+
+    @torch.no_grad()
+    def _evaluate_stacked(self, algo: Algorithm, models: Any, groups: list[torch.Tensor]
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         data, c = self.data, self.data.num_classes
         m = len(groups)
         ids, valid = _pad_ids(groups)
