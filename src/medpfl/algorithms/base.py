@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from medpfl.fl.functional import FunctionalModel, Params, weighted_average, weighted_ce
 from medpfl.fl.payload import ArraySpec, Spec, TreeSpec
@@ -102,6 +102,30 @@ class MethodConfig(BaseModel):
     field of a subclass has an explicit default with its source in its description."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LocalStepsConfig(MethodConfig):
+    """A method config with ``local_steps``: each round's local training is exactly that many
+    mini-batch steps (the epochs' shuffled batches truncated, or cycled when a client has fewer)
+    instead of ``train.local_epochs`` epochs. Default None: epochs, as the method's paper.
+
+    Why: the pFedKD-WCL code's FedAvg/FedProx (``algorithms/fedprox_slow.py``) loops over the E
+    epochs but slices a 20-element index list in each, so each "epoch" is one SGD step on one
+    mini-batch: its effective local work is E steps, not E epochs (issue 30; ``docs/studies.md``).
+    ``local_steps`` is not dumped at its default, so jobs written before it existed keep their
+    description (and Snakemake params trigger)."""
+
+    local_steps: int | None = Field(None, ge=1, description="null (default): train.local_epochs epochs per round (the "
+                                                            "method's paper); n: exactly n mini-batch steps per round "
+                                                            "(the pFedKD-WCL code's fedprox_slow.py reading: E=20 "
+                                                            "'epochs' of one step each)")
+
+    @model_serializer(mode="wrap")
+    def _drop_default_steps(self, handler):
+        out = handler(self)
+        if isinstance(out, dict) and out.get("local_steps", False) is None:
+            out.pop("local_steps")
+        return out
 
 
 class Algorithm:

@@ -3,11 +3,13 @@ client models weighted by local train size (FedKPer eq. 2). No hyper-parameters 
 
 from __future__ import annotations
 
-from medpfl.algorithms.base import MODEL_UPLOAD, Algorithm, MethodConfig
+from medpfl.algorithms.base import MODEL_UPLOAD, Algorithm, LocalStepsConfig
+from medpfl.fl.program import Phase, RoundInfo
 
 
-class FedAvgConfig(MethodConfig):
-    """FedAvg has no method-specific knobs."""
+class FedAvgConfig(LocalStepsConfig):
+    """FedAvg has no method-specific knobs of its paper; ``local_steps`` (default None: epochs)
+    runs a fixed number of mini-batch steps instead (:class:`~medpfl.algorithms.base.LocalStepsConfig`)."""
 
 
 class FedAvg(Algorithm):
@@ -16,3 +18,8 @@ class FedAvg(Algorithm):
     paper = "McMahan et al., Communication-Efficient Learning of Deep Networks from Decentralized Data, AISTATS 2017"
     model_upload = MODEL_UPLOAD  # the n_k-weighted mean of the uploaded models
     fedavg_when = {}
+
+    def phases(self, rnd: RoundInfo) -> list[Phase]:
+        """One phase on the local train set: ``train.local_epochs`` epochs, or exactly
+        ``local_steps`` mini-batches when set."""
+        return [Phase(steps=self.cfg.local_steps)]

@@ -12,14 +12,16 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from medpfl.algorithms.base import MODEL_UPLOAD, Algorithm, MethodConfig
+from medpfl.algorithms.base import MODEL_UPLOAD, Algorithm, LocalStepsConfig
 from medpfl.fl.functional import Params, weighted_ce
-from medpfl.fl.program import RoundInfo
+from medpfl.fl.program import Phase, RoundInfo
 
 
-class FedProxConfig(MethodConfig):
+class FedProxConfig(LocalStepsConfig):
     """mu: proximal weight. Default 1.0: the paper's best value for its image tasks (MNIST,
-    FEMNIST; Section 5.3 and Fig. 2), and the FedKPer authors' baseline config. mu = 0 is FedAvg."""
+    FEMNIST; Section 5.3 and Fig. 2), and the FedKPer authors' baseline config. mu = 0 is FedAvg.
+    ``local_steps`` (default None: epochs): a fixed number of mini-batch steps per round instead
+    (:class:`~medpfl.algorithms.base.LocalStepsConfig`)."""
 
     mu: float = Field(1.0, ge=0.0, description="proximal weight (paper Sec. 5.3 / Fig. 2, its image tasks; "
                                                 "FedKPer authors' baseline config); 0 = FedAvg")
@@ -34,6 +36,10 @@ class FedProx(Algorithm):
 
     def shared_context(self, shared: dict[str, Any], rnd: RoundInfo) -> dict[str, Any]:
         return {"global": shared["model"]}
+
+    def phases(self, rnd: RoundInfo) -> list[Phase]:
+        """One phase: ``train.local_epochs`` epochs, or exactly ``local_steps`` mini-batches."""
+        return [Phase(steps=self.cfg.local_steps)]
 
     def local_loss(self, trees: dict[str, Params], ctx: dict[str, Any], batch: dict[str, torch.Tensor]) -> torch.Tensor:
         params = trees["model"]
