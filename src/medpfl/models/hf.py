@@ -24,8 +24,10 @@ Every model here is built like ``vit_lora`` (:mod:`medpfl.models.vit`):
   empty, so methods that keep or share a head apart from the body stop with an error naming the
   part);
 * parts: ``head`` = the head module (``head.*``), ``body`` = the adapters, ``lora_A`` /
-  ``lora_B`` = the adapters' A (float [r, d_in]) and B (float [d_out, r]) in module order
-  (block 0 query, block 0 value, block 1 query, ...), the l-th A pairing with the l-th B (EPFL).
+  ``lora_B`` = the adapters' A (float [r, d_in]) and B (float [d_out, r]) in the backbone's
+  module (state-dict) order, the order FHBench's code lists them: block by block, query and value
+  as the block registers them (RoBERTa and T5: query first; wav2vec2: ``v_proj`` before
+  ``q_proj``), the l-th A pairing with the l-th B (EPFL's psi halves follow this order).
   ``feature_dim`` = the width of the features the head takes (``with_features``).
 
 **Dropout policy.** ``dropout: true`` (default) keeps the backbone's and head's dropout as the
@@ -569,7 +571,7 @@ class MomentLoRAClassifier(HFLoRAClassifier):
 
     def __init__(self, channels: int, length: int, num_classes: int, checkpoint: str | None,
                  config: Mapping[str, Any], cache_dir: str | None, backbone_seed: int, lora: Mapping[str, Any],
-                 dropout: bool, head_trainable: bool, reduction: str):
+                 dropout: bool, head_trainable: bool, reduction: str, attn_implementation: str = "eager"):
         super().__init__()
         from transformers import T5Config, T5EncoderModel
 
@@ -597,7 +599,9 @@ class MomentLoRAClassifier(HFLoRAClassifier):
                   decoder_start_token_id=None)
         if not dropout:
             t5["dropout_rate"] = 0.0
-        cfg = T5Config(**{k: v for k, v in t5.items() if k not in ("architectures", "_name_or_path")})
+        cfg = T5Config(attn_implementation=attn_implementation,
+                       **{k: v for k, v in t5.items() if k not in ("architectures", "_name_or_path",
+                                                                   "attn_implementation")})
         d = int(cfg.d_model)
         p_patch = float(opts["patch_dropout"]) if dropout else 0.0
         p_head = float(opts["head_dropout"]) if dropout else 0.0

@@ -171,7 +171,8 @@ class RobertaLoRAArgs(_HFLoRAArgs):
     target_modules: list[str] = Field(default_factory=lambda: ["query", "value"],
                                       description="adapted projections (RoBERTa names: query, value)")
     attn_implementation: Literal["eager", "sdpa"] = Field(
-        "eager", description="transformers attention kernel (both run under torch.func.vmap with the 4-D mask)")
+        "eager", description="transformers attention kernel; both take the 4-D padding mask, eager runs under "
+                             "torch.func.vmap everywhere (sdpa has no batching rule on the CPU: a slow loop)")
 
 
 class Wav2Vec2LoRAArgs(_HFLoRAArgs):
@@ -204,6 +205,9 @@ class MomentLoRAArgs(_HFLoRAArgs):
                                       description="adapted projections (T5 names: q, v)")
     reduction: Literal["concat", "mean"] = Field("concat", description="channel reduction before the head: concat "
                                                                        "(FHBench) or mean (momentfm's option)")
+    attn_implementation: Literal["eager", "sdpa"] = Field(
+        "eager", description="transformers attention kernel of the T5 encoder (sdpa has no vmap batching rule: "
+                             "stacked clients fall back to a slow loop)")
 
 
 @dataclass(frozen=True)
@@ -245,7 +249,8 @@ def _wav2vec2_lora(shape: tuple[int, ...], num_classes: int, args: Wav2Vec2LoRAA
 
 def _moment_lora(shape: tuple[int, ...], num_classes: int, args: MomentLoRAArgs, spec: InputSpec) -> nn.Module:
     return MomentLoRAClassifier(shape[0], shape[1], num_classes, args.checkpoint, dict(args.config), args.cache_dir,
-                                args.backbone_seed, _lora(args), args.dropout, args.head_trainable, args.reduction)
+                                args.backbone_seed, _lora(args), args.dropout, args.head_trainable, args.reduction,
+                                args.attn_implementation)
 
 
 #: a tiny randomly initialised ViT (2 blocks, width 32, 7-px patches: 28-px images; ~22k backbone
