@@ -44,7 +44,7 @@ def model_for(method: str) -> str:
     ``fed_data``'s 3x28x28 images) whose parts include every part the method declares it needs,
     non-empty (``requires_parts``; FedBN: ``bn``, i.e. ``cnn4bn``)."""
     need = REGISTRY[method].requires_parts
-    for name in ("cnn4", *[n for n in MODEL_NAMES if n != "cnn4"]):
+    for name in ("cnn4", *[n for n in MODEL_NAMES if n != "cnn4" and ZOO[n].input in ("image", "any")]):
         parts = make_forward(template_on(build_model(name, 3, 4, 28, ZOO[name].tiny_args), "cpu")).parts
         if all(parts.get(p) for p in need):
             return name

@@ -870,7 +870,8 @@ class TrainConfig(_Strict):
     optimizer: OptimizerConfig = OptimizerConfig()
     sampling: SamplingConfig = SamplingConfig()
     model: str = Field("cnn4", description="a model of the zoo by name (medpfl.models.MODEL_NAMES): cnn4, cnn4bn, "
-                                           "simplecnn, resnet18, resnet101, resnet18_3d, vit, vit_lora, mlr, mlp")
+                                           "simplecnn, resnet18, resnet101, resnet18_3d, vit, vit_lora, roberta-lora, "
+                                           "wav2vec2-lora, moment-lora, mlr, mlp")
     model_args: dict[str, Any] = Field(
         default_factory=dict, validate_default=True,
         description="the model's own arguments, validated per model (medpfl.models.zoo), e.g. mlp: {hidden: 20}; "

@@ -28,7 +28,7 @@ from medpfl.fl.engine import Engine, fingerprint, require_server_data, resolve_d
 from medpfl.fl.functional import make_forward, template_on
 from medpfl.fl.tree import tree_map
 from medpfl.io import atomic_path, md5sum, read_json, read_parquet, write_json, write_parquet
-from medpfl.models import build_model
+from medpfl.models.zoo import build_model_for_data
 from medpfl.models.zoo import parameter_counts
 from medpfl.progress import RoundProgress
 
@@ -130,7 +130,7 @@ def run_training(job: dict, arrays: Path, samples: Path, partition_table: Path, 
     # pool all: every split was partitioned, no global test set; transform: train.transform
     fdata = FederatedData.build(data, table, device, pool=job.get("pool", "train"), transform=train.transform)
     try:
-        template = build_model(train.model, fdata.in_channels, fdata.num_classes, fdata.image_size, train.model_args)
+        template = build_model_for_data(train.model, fdata, train.model_args)
     except ValueError as e:  # the model does not fit this data set (image side, channels) or its arguments
         raise ParamsError(f"method {job['method']!r} on data set {job['dataset']!r}: {e}") from None
     counts = parameter_counts(template)

@@ -53,7 +53,7 @@ from medpfl.fl.payload import check_upload
 from medpfl.fl.program import Download, Federation, RoundInfo
 from medpfl.fl.tree import first_nonfinite, tree_index, tree_map, tree_stack
 from medpfl.io import atomic_path, md5sum, read_parquet
-from medpfl.models import build_model
+from medpfl.models.zoo import build_model_for_data
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def build_method(job: dict, fdata: FederatedData, device: torch.device):
     algo_cls, mcfg = resolve_method(job["method"], {job["method"]: {"algorithm": job["algorithm"],
                                                                     **job["method_params"]}})
     try:
-        template = build_model(train.model, fdata.in_channels, fdata.num_classes, fdata.image_size, train.model_args)
+        template = build_model_for_data(train.model, fdata, train.model_args)
     except ValueError as e:
         raise ParamsError(f"method {job['method']!r} on data set {job['dataset']!r}: {e}") from None
     algo = algo_cls(mcfg, make_forward(template_on(template, device)), fdata.num_classes)

@@ -66,8 +66,23 @@ class FederatedData:
     #: engine reads it, and hands a method the images alone (:class:`ServerData`) when the
     #: method declares ``uses_server_data``.
     server_idx: torch.Tensor | None = None
+    #: the sample kind (the processed file's ``kind``: "image", "vector", "tokens", "waveform",
+    #: "timeseries"); None infers it from the array: uint8 [N, C, H, W] image, float [N, d]
+    #: vector, int64 [N, L] tokens, float [N, C, T] timeseries (a waveform set must say so)
+    kind: str | None = None
+    #: the tokenizer's padding id of a ``tokens`` set (None: the model config's)
+    pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
+        if self.kind is None:
+            if self.images.dim() == 4:
+                self.kind = "image"
+            elif self.images.dim() == 3 and self.images.is_floating_point():
+                self.kind = "timeseries"
+            elif self.images.dim() == 2 and not self.images.is_floating_point() and self.images.dtype != torch.uint8:
+                self.kind = "tokens"
+            else:
+                self.kind = "vector"
         if self.server_idx is None:
             self.server_idx = torch.empty(0, dtype=torch.int64, device=self.device)
         if not self.client_val:
@@ -94,7 +109,9 @@ class FederatedData:
                 self._imagenet = (torch.tensor(IMAGENET_MEAN, dtype=torch.float32, device=self.device).view(3, 1, 1),
                                   torch.tensor(IMAGENET_STD, dtype=torch.float32, device=self.device).view(3, 1, 1))
         self._float: torch.Tensor | None = None
-        if not self.images.is_floating_point():
+        if self.kind == "tokens" and self.images.is_floating_point():
+            raise ParamsError(f"a data set of kind 'tokens' needs integer token ids, its array is {self.images.dtype}")
+        if self.kind != "tokens" and not self.images.is_floating_point():
             per_sample = self.images[0].numel() * (3 if self._expand else 1) if len(self.images) else 0
             if 4 * per_sample * len(self.images) <= FLOAT_CACHE_MAX_BYTES:
                 self._float = self._normalise(self.images)
@@ -121,12 +138,23 @@ class FederatedData:
         that flatten their input (``mlr``, ``mlp``) take."""
         return int(self.images.shape[-1]) if self.images.dim() == 4 else None
 
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        """One model input sample's shape: (C, H, W) for images (C after ``transform``), (d,) for
+        vectors, (L,) tokens, (T,) waveforms, (C, T) time series."""
+        if self.images.dim() == 4:
+            return (self.in_channels, int(self.images.shape[2]), int(self.images.shape[3]))
+        return tuple(int(v) for v in self.images.shape[1:])
+
     def x(self, idx: torch.Tensor) -> torch.Tensor:
         """Normalised float32 samples for indices ``idx`` (int64 [...]) -> [..., C, H, W] (or [..., d]
-        for vector data, already float and passed through); C is :attr:`in_channels`. A new
+        for vector data, already float and passed through); C is :attr:`in_channels`. Token ids
+        (kind ``tokens``) come back as they are stored, int64 [..., L], never normalised. A new
         tensor (never a view of the stored arrays)."""
         src = self._float if self._float is not None else self.images
         v = src.index_select(0, idx.reshape(-1)).view(*idx.shape, *src.shape[1:])
+        if self.kind == "tokens":
+            return v.to(torch.int64)
         if self._float is not None or v.dtype == torch.float32:
             return v
         if v.is_floating_point():
@@ -199,6 +227,9 @@ class FederatedData:
             client_val=split_ids["val"],
             transform=transform,
             server_idx=torch.tensor(server, device=device, dtype=torch.int64),
+            # the processed file's sample kind and padding id (issue 33's interface), where it has them
+            kind=getattr(data, "kind", None),
+            pad_token_id=getattr(data, "pad_token_id", None),
         )
 
     @property

@@ -60,7 +60,7 @@ from medpfl.fl.sampling import client_schedule
 from medpfl.fl.server_opt import make_server_optimizer
 from medpfl.fl.tree import first_nonfinite, tree_index, tree_leaves, tree_stack
 from medpfl.io import atomic_path
-from medpfl.models import build_model
+from medpfl.models.zoo import build_model_for_data
 
 
 log = logging.getLogger(__name__)
@@ -77,17 +77,22 @@ def resolve_device(name: str) -> torch.device:
 
 
 def make_executor(kind: str, algo: Algorithm, data: FederatedData, train: TrainConfig, seed: int, eval_batch_size: int):
-    """``auto`` picks the stacked executor on CUDA where the method supports it, else the
-    sequential one (on a CPU the sequential executor is already compute-bound and the grouped
+    """``auto`` picks the stacked executor on CUDA where the method and the model support it
+    (a model with active dropout declares ``not_stackable_because``), else the sequential one (on a CPU the sequential executor is already compute-bound and the grouped
     convolutions of the stacked one are slower: see ``benchmarks/README.md``)."""
     from medpfl.fl.executors import SequentialExecutor
 
+    # a model whose training step draws random masks (dropout) cannot run under vmap either
+    model_why = getattr(getattr(algo, "forward", None), "not_stackable_because", None)
     if kind == "auto":
-        kind = "stacked" if algo.stackable and data.device.type == "cuda" else "sequential"
+        kind = "stacked" if algo.stackable and model_why is None and data.device.type == "cuda" else "sequential"
     if kind == "stacked":
         if not algo.stackable:
             raise ValueError(f"train.executor=stacked: method {algo.name!r} cannot be stacked "
                              f"({algo.not_stackable_because}); use auto or sequential")
+        if model_why is not None:
+            raise ValueError(f"train.executor=stacked: model {algo.forward.model_name!r} cannot be stacked "
+                             f"({model_why}); use auto or sequential")
         from medpfl.fl.stacked import StackedExecutor
 
         return StackedExecutor(data, train, seed, eval_batch_size)
@@ -183,8 +188,7 @@ class Engine:
     # ---------------------------------------------------------------------------------------
     def initial_params(self) -> Params:
         torch.manual_seed(self.seed)
-        model = build_model(self.train.model, self.data.in_channels, self.data.num_classes, self.data.image_size,
-                            self.train.model_args)
+        model = build_model_for_data(self.train.model, self.data, self.train.model_args)
         return {k: v.to(self.data.device) for k, v in model_state(model).items()}
 
     def _sync(self):

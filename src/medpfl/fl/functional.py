@@ -34,13 +34,17 @@ class FunctionalModel:
     real samples of a padded batch for BatchNorm statistics.
 
     The model declares its parts (``module.head_name``: the final classifier; everything else
-    is the body) and returns its penultimate features with ``with_features=True``:
+    is the body; optionally ``module.feature_dim``: the width of the head's input, needed when the
+    head has no ``weight`` of its own) and returns its penultimate features with
+    ``with_features=True``:
     :meth:`features_logits` gives ``(z float [B, d], logits float [B, C])``, :meth:`head`
     applies the classifier of a state to features. ``parts`` maps ``"body"`` and ``"head"``
     (and any part the module declares in ``extra_parts()``) to state names; ``shapes`` every
     state entry's shape. A part may be empty (``mlr``: all head, no body); :meth:`part` and
     :meth:`part_shapes` then raise a ValueError naming the model and the part, so a method that
-    splits the model stops at once instead of sharing nothing.
+    splits the model stops at once instead of sharing nothing. ``not_stackable_because``: the
+    module's reason why its training step cannot run under ``vmap`` (active dropout; None: it
+    can), which :func:`medpfl.fl.engine.make_executor` honours.
     """
 
     def __init__(self, module: torch.nn.Module):
@@ -64,7 +68,13 @@ class FunctionalModel:
         extra = getattr(module, "extra_parts", None)
         if callable(extra):
             self.parts.update({k: tuple(v) for k, v in extra().items()})
-        self.feature_dim = int(self.shapes[f"{self.head_name}.weight"][1]) if self.head_name else None
+        # the head's input width: the model's own ``feature_dim`` where it declares one (a head of several
+        # layers, e.g. RoBERTa's dense + out_proj), else the in-features of the head's ``weight``
+        declared = getattr(module, "feature_dim", None)
+        self.feature_dim = (int(declared) if declared is not None else
+                            int(self.shapes[f"{self.head_name}.weight"][1]) if self.head_name else None)
+        #: why a training step of this model cannot run under vmap (dropout masks), None if it can
+        self.not_stackable_because: str | None = getattr(module, "not_stackable_because", None)
         # functional_call unties shared tensors on every call unless told there are none
         n_all = len(list(module.named_parameters(remove_duplicate=False))) + len(list(module.named_buffers(remove_duplicate=False)))
         self._tied = n_all != len(list(module.named_parameters())) + len(self.buffers)

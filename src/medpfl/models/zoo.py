@@ -4,7 +4,17 @@ arguments (``train.model_args``).
 A zoo entry declares an ``Args`` model (pydantic, unknown keys are errors, every field has a
 default and a description with its source) and a builder ``(input_shape, num_classes, args) ->
 nn.Module``. ``input_shape`` is one sample's shape: ``(C, H, W)`` for images, ``(d,)`` for
-vectors. ``train.model_args`` is validated against the entry's ``Args`` when params are read
+vectors, ``(L,)`` for token ids, ``(T,)`` for waveforms, ``(C, T)`` for multichannel time series.
+The entry's ``input`` says which samples it takes; the builders of the sequence models
+(``tokens`` / ``waveform`` / ``timeseries``) also receive the data set's :class:`InputSpec`
+(its kind, shape and, for tokens, the tokenizer's ``pad_token_id``).
+
+How a data set's sample kind and shape reach :func:`build_model`: the processed file's ``kind``
+("image", "vector", "tokens", "waveform", "timeseries"; inferred from the array when absent) and
+``pad_token_id`` become :class:`medpfl.fl.data.FederatedData`'s ``kind`` / ``pad_token_id``;
+:func:`build_model_for_data` passes them with ``sample_shape`` (the array's shape without N) as
+an :class:`InputSpec`. Callers that pass only ``in_channels`` / ``image_size`` (images, vectors)
+work as before. ``train.model_args`` is validated against the entry's ``Args`` when params are read
 (:class:`medpfl.config.TrainConfig`, by way of :mod:`medpfl.compose`) and again by
 :func:`build_model`; errors name the params key (``train.model`` or ``train.model_args``), the
 model and its known arguments.
@@ -32,6 +42,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from torch import nn
 
 from medpfl.models.cnn import CNN4
+from medpfl.models.hf import (TINY_MOMENT, TINY_ROBERTA, TINY_WAV2VEC2, MomentLoRAClassifier, RobertaLoRAClassifier,
+                              Wav2Vec2LoRAClassifier)
 from medpfl.models.linear import MLP, MLR
 from medpfl.models.resnet import ResNet
 from medpfl.models.simplecnn import SimpleCNN, simplecnn_side
@@ -116,6 +128,131 @@ class ViTLoRAArgs(ViTArgs):
                                                   "query, value)")
 
 
+class _HFLoRAArgs(ModelArgs):
+    """Shared arguments of the frozen foundation models with LoRA (:mod:`medpfl.models.hf`;
+    FHBench spec B.2.1-B.2.5). ``dropout`` here is the backbone's dropout switch; the LoRA
+    dropout is ``lora_dropout`` (``vit_lora`` calls its LoRA dropout ``dropout``)."""
+
+    checkpoint: str | None = Field(None, description="Hugging Face hub id or local folder of the pretrained backbone "
+                                                     "(null: random init from config)")
+    config: dict[str, Any] = Field(default_factory=dict,
+                                   description="backbone config overrides for checkpoint: null (layers, hidden size, "
+                                               "heads, vocabulary, ...); the tiny test models set a few")
+    cache_dir: str | None = Field(None, description="Hugging Face hub cache folder (null: HF_HUB_CACHE, else "
+                                                    "HF_HOME/hub, else ~/.cache/huggingface/hub)")
+    backbone_seed: int = Field(0, ge=0, description="seed of a randomly initialised backbone (checkpoint: null): the "
+                                                    "same backbone in every run seed")
+    rank: int = Field(8, ge=1, description="LoRA rank r (FHBench: 8, fixed)")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha; the update is scaled by alpha / rank (FHBench code: 16)")
+    lora_dropout: float = Field(0.01, ge=0.0, lt=1.0, description="LoRA dropout (FHBench code: 0.01 text and audio, "
+                                                                  "0.05 time series); > 0 runs sequentially only")
+    target_modules: list[str] = Field(default_factory=list, description="adapted projections (query and value)")
+    dropout: bool = Field(True, description="the backbone's and head's dropout in training (FHBench code: on); "
+                                            "false sets every dropout, LayerDrop and SpecAugment off, which the "
+                                            "stacked executor needs")
+    head_trainable: bool = Field(True, description="train the new classification head (spec B.2.5 item 4); false "
+                                                   "freezes it, the FHBench code's accident for audio and time "
+                                                   "series (get_peft_model without task_type / modules_to_save)")
+
+    @model_validator(mode="after")
+    def _config_only_without_checkpoint(self) -> "_HFLoRAArgs":
+        if self.checkpoint is not None and self.config:
+            raise ValueError("config applies to a randomly initialised backbone (checkpoint: null); a pretrained "
+                             "checkpoint brings its own")
+        return self
+
+
+class RobertaLoRAArgs(_HFLoRAArgs):
+    """``roberta-lora`` (FHBench's text track: ``roberta-base``, LoRA r 8 / alpha 16 / dropout
+    0.01 on query and value, SEQ_CLS head trained [C])."""
+
+    checkpoint: str | None = Field("roberta-base", description="Hugging Face hub id of the pretrained RoBERTa (null: "
+                                                               "random init from config)")
+    target_modules: list[str] = Field(default_factory=lambda: ["query", "value"],
+                                      description="adapted projections (RoBERTa names: query, value)")
+    attn_implementation: Literal["eager", "sdpa"] = Field(
+        "eager", description="transformers attention kernel; both take the 4-D padding mask, eager runs under "
+                             "torch.func.vmap everywhere (sdpa has no batching rule on the CPU: a slow loop)")
+
+
+class Wav2Vec2LoRAArgs(_HFLoRAArgs):
+    """``wav2vec2-lora`` (FHBench's audio track: ``facebook/wav2vec2-base-960h``, LoRA r 8 / alpha
+    16 / dropout 0.01 on q_proj and v_proj [C])."""
+
+    checkpoint: str | None = Field("facebook/wav2vec2-base-960h",
+                                   description="Hugging Face hub id of the pretrained wav2vec 2.0 (null: random init "
+                                               "from config)")
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"],
+                                      description="adapted projections (wav2vec2 names: q_proj, v_proj)")
+    attn_implementation: Literal["eager", "sdpa"] = Field(
+        "eager", description="transformers attention kernel (eager runs under torch.func.vmap everywhere)")
+
+
+class MomentLoRAArgs(_HFLoRAArgs):
+    """``moment-lora`` (FHBench's time-series track: ``AutonLab/MOMENT-1-small``,
+    classification, ``reduction: concat``, LoRA r 8 / alpha 16 / dropout 0.05 on the T5 q and v
+    [C]). ``config`` (checkpoint: null) takes T5Config keys and momentfm's seq_len, patch_len,
+    patch_stride_len, revin_affine, add_positional_embedding, value_embedding_bias,
+    patch_dropout, head_dropout; the defaults are MOMENT-1-small's assumed shape
+    (flan-t5-small's encoder: d 512, 8 layers, 6 heads)."""
+
+    checkpoint: str | None = Field("AutonLab/MOMENT-1-small",
+                                   description="Hugging Face hub id or local folder of a momentfm checkpoint "
+                                               "(config.json + model.safetensors; null: random init from config)")
+    lora_dropout: float = Field(0.05, ge=0.0, lt=1.0, description="LoRA dropout (FHBench code: 0.05 time series); "
+                                                                  "> 0 runs sequentially only")
+    target_modules: list[str] = Field(default_factory=lambda: ["q", "v"],
+                                      description="adapted projections (T5 names: q, v)")
+    reduction: Literal["concat", "mean"] = Field("concat", description="channel reduction before the head: concat "
+                                                                       "(FHBench) or mean (momentfm's option)")
+    attn_implementation: Literal["eager", "sdpa"] = Field(
+        "eager", description="transformers attention kernel of the T5 encoder (sdpa has no vmap batching rule: "
+                             "stacked clients fall back to a slow loop)")
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """What a model is built for: ``kind`` in :data:`INPUT_KINDS`, ``shape`` one sample's shape
+    (images (C, H, W), vectors (d,), tokens (L,), waveforms (T,), time series (C, T)), and for
+    tokens the tokenizer's ``pad_token_id`` (None: the model config's) and vocabulary size
+    (None: unchecked)."""
+
+    kind: str
+    shape: tuple[int, ...]
+    pad_token_id: int | None = None
+    vocab_size: int | None = None
+
+
+#: sample kinds of the processed files (``kind`` key; the interface of issue 33)
+INPUT_KINDS = ("image", "vector", "tokens", "waveform", "timeseries")
+#: the sequence kinds and the sample shape each has (for messages)
+SEQUENCE_SHAPES = {"tokens": "token ids [L] (int64)", "waveform": "waveforms [T] (float32, 16 kHz)",
+                   "timeseries": "multichannel time series [C, T] (float32)"}
+
+
+def _lora(args: _HFLoRAArgs) -> dict[str, Any]:
+    return {"rank": args.rank, "alpha": args.alpha, "dropout": args.lora_dropout,
+            "target_modules": list(args.target_modules)}
+
+
+def _roberta_lora(shape: tuple[int, ...], num_classes: int, args: RobertaLoRAArgs, spec: InputSpec) -> nn.Module:
+    return RobertaLoRAClassifier(shape[0], num_classes, args.checkpoint, dict(args.config), args.cache_dir,
+                                 args.backbone_seed, _lora(args), args.dropout, args.head_trainable,
+                                 args.attn_implementation, spec.pad_token_id, spec.vocab_size)
+
+
+def _wav2vec2_lora(shape: tuple[int, ...], num_classes: int, args: Wav2Vec2LoRAArgs, spec: InputSpec) -> nn.Module:
+    return Wav2Vec2LoRAClassifier(shape[0], num_classes, args.checkpoint, dict(args.config), args.cache_dir,
+                                  args.backbone_seed, _lora(args), args.dropout, args.head_trainable,
+                                  args.attn_implementation)
+
+
+def _moment_lora(shape: tuple[int, ...], num_classes: int, args: MomentLoRAArgs, spec: InputSpec) -> nn.Module:
+    return MomentLoRAClassifier(shape[0], shape[1], num_classes, args.checkpoint, dict(args.config), args.cache_dir,
+                                args.backbone_seed, _lora(args), args.dropout, args.head_trainable, args.reduction,
+                                args.attn_implementation)
+
+
 #: a tiny randomly initialised ViT (2 blocks, width 32, 7-px patches: 28-px images; ~22k backbone
 #: parameters) that builds offline: the tests' and CPU runs' stand-in for ViT-B/16
 TINY_VIT: dict[str, Any] = {"checkpoint": None, "config": {"hidden_size": 32, "num_hidden_layers": 2,
@@ -191,7 +328,9 @@ class ZooEntry:
     build: Callable[[tuple[int, ...], int, Any], nn.Module]
     summary: str
     Args: type[ModelArgs] = NoArgs
-    #: input the model takes: "image" ([C, H, W] samples only) or "any" (flattened)
+    #: input the model takes: "image" ([C, H, W] samples only), "any" (float samples, flattened),
+    #: or one sequence kind, "tokens" ([L]), "waveform" ([T]) or "timeseries" ([C, T]) (the
+    #: builder then also receives the :class:`InputSpec`)
     input: str = "image"
     #: arguments of a small stand-in that builds offline (no download) for tests and CPU runs
     tiny_args: Mapping[str, Any] | None = None
@@ -218,6 +357,22 @@ ZOO: dict[str, ZooEntry] = {
     "vit_lora": ZooEntry(_vit(True), "vit with the backbone frozen (one shared copy) and peft LoRA adapters (r 8, "
                                      "alpha 16) on the query and value projections; state = adapters + head; parts "
                                      "lora_A, lora_B, head", ViTLoRAArgs, tiny_args=TINY_VIT),
+    "roberta-lora": ZooEntry(_roberta_lora, "RoBERTa (default: pretrained roberta-base) frozen (one shared copy) with "
+                                            "peft LoRA (r 8, alpha 16, dropout 0.01) on query and value and "
+                                            "RoBERTa's classification head on <s>; int64 token ids [L], attention "
+                                            "mask from the pad id; state = adapters + head; parts lora_A, lora_B, "
+                                            "head", RobertaLoRAArgs, input="tokens", tiny_args=TINY_ROBERTA),
+    "wav2vec2-lora": ZooEntry(_wav2vec2_lora, "wav2vec 2.0 (default: pretrained facebook/wav2vec2-base-960h) frozen, "
+                                              "feature encoder frozen, with peft LoRA (r 8, alpha 16, dropout 0.01) "
+                                              "on q_proj and v_proj and the projector + classifier head on the "
+                                              "frame mean; float32 waveforms [T] at 16 kHz; parts lora_A, lora_B, "
+                                              "head", Wav2Vec2LoRAArgs, input="waveform", tiny_args=TINY_WAV2VEC2),
+    "moment-lora": ZooEntry(_moment_lora, "MOMENT-1 (default: pretrained AutonLab/MOMENT-1-small, loaded without "
+                                          "momentfm) frozen: RevIN, patches of 8, patch embedding, T5 encoder per "
+                                          "channel, channels concatenated, mean over patches, linear head; peft "
+                                          "LoRA (r 8, alpha 16, dropout 0.05) on q and v; float32 [C, T]; parts "
+                                          "lora_A, lora_B, head", MomentLoRAArgs, input="timeseries",
+                            tiny_args=TINY_MOMENT),
     "mlr": ZooEntry(_mlr, "multinomial logistic regression: Linear(d_in, C) on the flattened input; "
                           "head = the layer, body empty", input="any"),
     "mlp": ZooEntry(_mlp, "Linear(d_in, hidden) -> ReLU -> Linear(hidden, C) on the flattened input; "
@@ -273,13 +428,22 @@ def parameter_counts(module: nn.Module) -> dict[str, int]:
     return {"trainable": int(tr), "frozen": int(tot - tr), "total": int(tot)}
 
 
+def _infer_kind(shape: tuple[int, ...]) -> str:
+    return "image" if len(shape) == 3 else "vector"
+
+
 def build_model(name: str, in_channels: int, num_classes: int, image_size: int | None = None,
-                model_args: Mapping[str, Any] | None = None) -> nn.Module:
+                model_args: Mapping[str, Any] | None = None, *, spec: InputSpec | None = None) -> nn.Module:
     """Build a model by its params name (``train.model``) with its ``train.model_args``.
 
     Samples are images [in_channels, image_size, image_size], or vectors of ``in_channels``
-    features when ``image_size`` is None. Weights: PyTorch default initialisation from the
-    current torch RNG. Raises ValueError naming ``train.model`` / ``train.model_args``.
+    features when ``image_size`` is None; ``spec`` (an :class:`InputSpec`), when given, says the
+    sample kind and shape instead (``in_channels`` / ``image_size`` are then ignored): token ids,
+    waveforms and time series reach the sequence models this way. Weights: PyTorch default
+    initialisation from the current torch RNG (pretrained backbones: their checkpoint). Raises
+    ValueError naming ``train.model`` / ``train.model_args`` (also for a model that cannot take
+    the data set's kind of samples), MissingWeightsError for a pretrained checkpoint that is not
+    available.
     """
     try:
         entry = _entry(name)
@@ -289,7 +453,32 @@ def build_model(name: str, in_channels: int, num_classes: int, image_size: int |
         args = entry.Args.model_validate(resolve_model_args(name, model_args))
     except ValueError as e:
         raise ValueError(f"train.model_args: {e}") from None
-    shape = (int(in_channels),) if image_size is None else (int(in_channels), int(image_size), int(image_size))
-    model = entry.build(shape, num_classes, args)
+    if spec is None:
+        shape = (int(in_channels),) if image_size is None else (int(in_channels), int(image_size), int(image_size))
+        spec = InputSpec(_infer_kind(shape), shape)
+    else:
+        if spec.kind not in INPUT_KINDS:
+            raise ValueError(f"train.model={name}: unknown sample kind {spec.kind!r} (known: {', '.join(INPUT_KINDS)})")
+        shape = tuple(int(v) for v in spec.shape)
+    if entry.input in SEQUENCE_SHAPES:
+        rank = 2 if entry.input == "timeseries" else 1
+        if spec.kind != entry.input or len(shape) != rank:
+            raise ValueError(f"train.model={name} needs {SEQUENCE_SHAPES[entry.input]} (data kind {entry.input!r}); "
+                             f"this data set's samples are {spec.kind} of shape {list(shape)}")
+        model = entry.build(shape, num_classes, args, spec)
+    else:
+        if spec.kind == "tokens":
+            raise ValueError(f"train.model={name} takes float samples; this data set's samples are token ids "
+                             f"{list(shape)} (use roberta-lora)")
+        model = entry.build(shape, num_classes, args)
     model.zoo_name = name
     return model
+
+
+def build_model_for_data(name: str, data: Any, model_args: Mapping[str, Any] | None = None) -> nn.Module:
+    """:func:`build_model` for a data set (a :class:`medpfl.fl.data.FederatedData` or anything
+    with ``num_classes``, ``sample_shape``, ``kind`` and ``pad_token_id``): the sample kind, shape
+    and padding id reach the model as an :class:`InputSpec`."""
+    spec = InputSpec(str(data.kind), tuple(int(v) for v in data.sample_shape),
+                     None if data.pad_token_id is None else int(data.pad_token_id))
+    return build_model(name, data.in_channels, data.num_classes, data.image_size, model_args, spec=spec)
