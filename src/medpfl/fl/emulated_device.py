@@ -30,7 +30,9 @@ as well. This module emulates the accelerator instead, with real values:
     :func:`medpfl.fl.stacked.local_steps`), raises :class:`HostSyncError` on the first one;
   - counts the aten ops (``ops``: the kernels a GPU would launch, before fusion) per region.
 
-Tensor factories with ``device="emu"`` create wrappers; plain CPU tensors and CPU-only ops (the
+``.tolist()`` of a tensor on the device raises RuntimeError (torch refuses it for every tensor
+subclass): the code reads a list with ``.cpu().tolist()`` (the same one copy on CUDA), so a
+``.tolist()`` fails the test either way. Tensor factories with ``device="emu"`` create wrappers; plain CPU tensors and CPU-only ops (the
 host-side batch plans) run unchanged. Not emulated: streams, memory, speed, CUDA-only
 kernels' numerics (TF32, cuDNN algorithm choice).
 """
@@ -157,21 +159,24 @@ class EmulatedDevice(TorchDispatchMode):
     """The dispatch mode that emulates the accelerator (see the module docstring).
 
     strict_scalars: a 0-dim CPU tensor mixed with device tensors is a placement error too.
+    record_sites: count each sync's place in the project's code (:attr:`sites`).
     Attributes after use: ``syncs`` (Counter of ``(region, kind)``), ``ops`` (Counter of aten op
-    counts per region), ``sync_sites`` (``(region, kind, op, stack)`` of every sync, for reports).
+    counts per region), ``sites`` (with ``record_sites``).
     Regions: ``"outside"`` and the name given to :meth:`region` / :meth:`no_sync`.
     """
 
     current: "EmulatedDevice | None" = None
 
-    def __init__(self, strict_scalars: bool = True, record_sites: bool = False):
+    def __init__(self, strict_scalars: bool = False, record_sites: bool = False):
         super().__init__()
         register_device()
         self.strict_scalars = strict_scalars
         self.record_sites = record_sites
         self.syncs: Counter = Counter()
         self.ops: Counter = Counter()
-        self.sync_sites: list[tuple[str, str, str, str]] = []
+        #: with ``record_sites``: Counter of ``(region, kind, "medpfl/<file>.py:<line>")``, the
+        #: innermost frame of the project's code that caused the sync
+        self.sites: Counter = Counter()
         self._region = "outside"
         self._forbid = False
 
@@ -203,11 +208,11 @@ class EmulatedDevice(TorchDispatchMode):
     # ----- the emulation --------------------------------------------------------------------
     def _sync(self, kind: str, func) -> None:
         self.syncs[(self._region, kind)] += 1
-        if self.record_sites or self._forbid:
+        if self.record_sites:
+            self.sites[(self._region, kind, _caller())] += 1
+        if self._forbid:
             stack = "".join(traceback.format_stack(limit=14)[:-3])
-            self.sync_sites.append((self._region, kind, str(func), stack))
-            if self._forbid:
-                raise HostSyncError(f"host synchronisation ({kind}, {func}) in region {self._region!r}:\n{stack}")
+            raise HostSyncError(f"host synchronisation ({kind}, {func}) in region {self._region!r}:\n{stack}")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return self._run(func, args, kwargs or {})
@@ -217,10 +222,11 @@ class EmulatedDevice(TorchDispatchMode):
         tensors = [t for t in flat if isinstance(t, torch.Tensor)]
         on_dev = [t for t in tensors if isinstance(t, OnDevice)]
         to_dev = _is_device(kwargs.get(_FACTORY_KWARG))
-        for t in tensors:
-            if not isinstance(t, OnDevice) and t.device.type != "cpu":
-                raise DevicePlacementError(f"{func}: a {t.device} tensor that is not on the emulated device "
-                                           f"{tuple(t.shape)}")
+        if on_dev or to_dev:
+            for t in tensors:
+                if not isinstance(t, OnDevice) and t.device.type != "cpu":
+                    raise DevicePlacementError(f"{func}: mixes tensors on the device with a {t.device} tensor "
+                                               f"{tuple(t.shape)}")
         self.ops[self._region] += 1
         if func in (aten._to_copy.default, aten.to.dtype_layout, aten.to.device):
             src = args[0]
@@ -271,6 +277,19 @@ class EmulatedDevice(TorchDispatchMode):
                 return args[0]
             return pytree.tree_map(lambda x: OnDevice(x) if isinstance(x, torch.Tensor) else x, out)
         return func(*args, **kwargs)
+
+
+def _caller() -> str:
+    """``medpfl/<path>:<line>`` of the innermost frame in the project's code outside this module."""
+    import sys
+
+    f = sys._getframe(2)
+    while f is not None:
+        name = f.f_code.co_filename.replace("\\", "/")
+        if "/medpfl/" in name and not name.endswith("emulated_device.py"):
+            return "src/medpfl/" + name.rsplit("/medpfl/", 1)[1] + f":{f.f_lineno}"
+        f = f.f_back
+    return "?"
 
 
 def on_device(tree: Any) -> Any:

@@ -222,7 +222,7 @@ class StackedExecutor(SequentialExecutor):
         dynamic = [ph for ph in phases if callable(ph.epochs)]
         read = {}
         if dynamic:  # one host read for every phase whose epochs depend on the client's context
-            values = torch.stack([vmap(ph.epochs, in_dims=(cdims,))(ctx).reshape(m) for ph in dynamic]).tolist()
+            values = torch.stack([vmap(ph.epochs, in_dims=(cdims,))(ctx).reshape(m) for ph in dynamic]).cpu().tolist()
             read = {ph.name: [int(e) for e in v] for ph, v in zip(dynamic, values)}
         plans = []
         for ph in phases:
