@@ -226,7 +226,7 @@ class StackedExecutor(SequentialExecutor):
             read = {ph.name: [int(e) for e in v] for ph, v in zip(dynamic, values)}
         plans = []
         for ph in phases:
-            epochs = read.get(ph.name, [self._epochs(ph)] * m)
+            epochs = read[ph.name] if callable(ph.epochs) else [self._epochs(ph)] * m
             bs = self._batch_size(ph)
             per_client = [phase_plan(n, bs, e, self.seed, rnd.round, c, ph) if e > 0
                           else torch.empty(0, bs, dtype=torch.int64) for n, e, c in zip(sizes, epochs, clients)]
