@@ -315,7 +315,8 @@ def test_two_trees_with_their_own_momentum_decay_lr_and_clip(fed_data, executor)
         groups = [fed_data.client_train[c] for c in clients]
         ids, _ = _pad_ids(groups)
         stacked = {t: {"w": torch.stack([w[t]["w"] for w in w0])} for t in ("a", "b")}
-        trees, steps = ex._run_phase_stacked(algo, ph, stacked, {}, {}, {}, ids, [len(x) for x in groups], clients, rnd)
+        plan, = ex._phase_plans(algo, [ph], {}, {}, [len(x) for x in groups], clients, rnd)
+        trees, steps = ex._run_phase_stacked(algo, ph, plan, stacked, {}, {}, {}, ids, rnd), plan.steps_k
         out = [{t: {"w": trees[t]["w"][j]} for t in trees} for j in range(len(clients))]
     assert len(set(steps)) > 1  # the rows of clients that are done are left alone
     for j, c in enumerate(clients):

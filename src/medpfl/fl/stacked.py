@@ -23,6 +23,7 @@ phase with an ``until`` rule) runs on the sequential executor.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -95,19 +96,37 @@ def _like_grad(stack: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
 
 
 def _pad_ids(groups: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Index sets -> (ids int64 [m, L] padded with each set's first id, valid bool [m, L])."""
-    lengths = [len(g) for g in groups]
-    width = max(lengths)
-    ids = torch.stack([F.pad(g, (0, width - len(g)), value=int(g[0])) if len(g) < width else g for g in groups])
-    valid = torch.arange(width, device=ids.device).unsqueeze(0) < torch.as_tensor(lengths, device=ids.device).unsqueeze(1)
+    """Index sets (int64 [n_j] each, on one device) -> (ids int64 [m, L] padded with each set's
+    first id, valid bool [m, L]), L = the longest set. Device ops only (no value is read on the
+    host and nothing is copied from it: the lengths are the tensors' shapes)."""
+    width = max(len(g) for g in groups)
+    ids = torch.stack([torch.cat([g, g[:1].expand(width - len(g))]) if len(g) < width else g for g in groups])
+    valid = torch.stack([torch.cat([torch.ones(len(g), dtype=torch.bool, device=g.device),
+                                    torch.zeros(width - len(g), dtype=torch.bool, device=g.device)])
+                         for g in groups])
     return ids, valid
+
+
+def local_steps() -> contextlib.AbstractContextManager:
+    """The context the stacked executor runs a round's local steps in: from the first step of
+    its first phase to the last step of its last (:meth:`StackedExecutor.train_clients`,
+    :meth:`StackedExecutor.adapt_models`), after every host-side preparation (batch plans, their
+    one host-to-device copy, per-client epochs). A no-op; the placement test
+    (``tests/test_device_placement.py``) replaces it to fail on any host synchronisation in
+    there (:meth:`medpfl.fl.emulated_device.EmulatedDevice.no_sync`, and
+    ``torch.cuda.set_sync_debug_mode("error")`` on a GPU)."""
+    return contextlib.nullcontext()
 
 
 class _Plan:
     """Per-client batch plans of one phase or pass, sorted by decreasing step count: at step s the
-    clients that still have batches are the first ``n_active[s]`` rows."""
+    clients that still have batches are the first ``n_active[s]`` rows.
 
-    def __init__(self, plans: list[torch.Tensor], batch_size: int, device: torch.device):
+    Built on the host (``host``: int64 [m, S, B], -1 on padding; ``order``); :meth:`place`
+    puts the device tensors (``pos``, ``weights``, ``perm``, ``inverse``) from a device copy of
+    ``host`` and ``order`` (:func:`_to_device`: one copy for every plan of the round)."""
+
+    def __init__(self, plans: list[torch.Tensor], batch_size: int):
         m = len(plans)
         steps_k = [p.shape[0] for p in plans]
         self.order = sorted(range(m), key=lambda j: -steps_k[j])
@@ -117,14 +136,36 @@ class _Plan:
         plan = torch.full((m, self.steps, batch_size), -1, dtype=torch.int64)
         for r, j in enumerate(self.order):
             plan[r, : steps_k[j]] = plans[j]
-        plan = plan.to(device)
+        self.host = plan
+        self.steps_k = steps_k
+
+    def host_parts(self) -> list[torch.Tensor]:
+        """What :meth:`place` needs on the device, as host tensors (int64)."""
+        return [self.host, torch.as_tensor(self.order, dtype=torch.int64), torch.as_tensor(self.steps_k, dtype=torch.int64)]
+
+    def place(self, plan: torch.Tensor, perm: torch.Tensor, steps: torch.Tensor) -> "_Plan":
+        """The device tensors from the device copies of :meth:`host_parts` (device ops only)."""
+        m = perm.shape[0]
         valid = plan >= 0
         self.weights = valid.to(torch.float32) / valid.sum(-1, keepdim=True).clamp(min=1)  # 1/b on a batch's b samples
         self.pos = plan.clamp(min=0)
-        self.perm = torch.as_tensor(self.order, device=device)
-        self.inverse = torch.empty_like(self.perm)
-        self.inverse[self.perm] = torch.arange(m, device=device)
-        self.steps_k = steps_k
+        self.perm = perm
+        self.inverse = torch.empty_like(perm)
+        self.inverse[perm] = torch.arange(m, device=perm.device)
+        self.steps_dev = steps  # int64 [m]: each client's step count, client order
+        return self
+
+
+def _to_device(plans: list[_Plan], device: torch.device) -> list[_Plan]:
+    """Every plan's device tensors from one host-to-device copy (a pageable copy synchronises
+    the host with the device on CUDA: once per call, not once per phase)."""
+    parts = [t for p in plans for t in p.host_parts()]
+    flat = torch.cat([t.reshape(-1) for t in parts]).to(device)
+    views = iter(flat.split([t.numel() for t in parts]))
+    for p in plans:
+        plan, perm, steps = (next(views).view(t.shape) for t in p.host_parts())
+        p.place(plan, perm, steps)
+    return plans
 
 
 class StackedExecutor(SequentialExecutor):
@@ -154,7 +195,8 @@ class StackedExecutor(SequentialExecutor):
                           sizes: list[int], clients: list[int], rnd: RoundInfo) -> dict[str, torch.Tensor]:
         m = len(clients)
         bs = self._pass_batch_size(p, max(1, self.eval_batch_size // m))
-        plan = _Plan([pass_plan(n, bs, self.seed, rnd.round, c, p) for n, c in zip(sizes, clients)], bs, ids.device)
+        plan, = _to_device([_Plan([pass_plan(n, bs, self.seed, rnd.round, c, p) for n, c in zip(sizes, clients)], bs)],
+                           ids.device)
         t = trees if plan.identity else tree_index(trees, plan.perm)
         c = ctx if plan.identity else _permute(ctx, cdims, plan.perm)
         i = ids if plan.identity else ids[plan.perm]
@@ -172,27 +214,41 @@ class StackedExecutor(SequentialExecutor):
                 tree_map(lambda acc, v: acc[:a].add_(v), total, out)
         return total if plan.identity else tree_index(total, plan.inverse)
 
-    def _run_phase_stacked(self, algo: Algorithm, ph: Phase, trees: dict, ctx: dict, cdims: dict, sctx: dict,
-                           ids: torch.Tensor, sizes: list[int], clients: list[int], rnd: RoundInfo
-                           ) -> tuple[dict, list[int]]:
+    def _phase_plans(self, algo: Algorithm, phases: list[Phase], ctx: dict, cdims: dict, sizes: list[int],
+                     clients: list[int], rnd: RoundInfo) -> list[_Plan]:
+        """Every phase's batch plan (:class:`_Plan`), built on the host before the round's first
+        local step and put on the device by one copy; per-client epochs (``Phase.epochs`` a
+        callable) read on the host in one go (one synchronisation for all phases)."""
+        for ph in phases:
+            if ph.until is not None:
+                raise ValueError(f"method {algo.name!r}, phase {ph.name!r}: an 'until' rule runs on the sequential "
+                                 "executor only (declare not_stackable_because)")
         m = len(clients)
-        if ph.until is not None:
-            raise ValueError(f"method {algo.name!r}, phase {ph.name!r}: an 'until' rule runs on the sequential "
-                             "executor only (declare not_stackable_because)")
+        dynamic = [ph for ph in phases if callable(ph.epochs)]
+        read = {}
+        if dynamic:  # one host read for every phase whose epochs depend on the client's context
+            values = torch.stack([vmap(ph.epochs, in_dims=(cdims,))(ctx).reshape(m) for ph in dynamic]).cpu().tolist()
+            read = {ph.name: [int(e) for e in v] for ph, v in zip(dynamic, values)}
+        plans = []
+        for ph in phases:
+            epochs = read[ph.name] if callable(ph.epochs) else [self._epochs(ph)] * m
+            bs = self._batch_size(ph)
+            per_client = [phase_plan(n, bs, e, self.seed, rnd.round, c, ph) if e > 0
+                          else torch.empty(0, bs, dtype=torch.int64) for n, e, c in zip(sizes, epochs, clients)]
+            plans.append(_Plan(per_client, bs))
+        return _to_device(plans, self.data.device)
+
+    def _run_phase_stacked(self, algo: Algorithm, ph: Phase, plan: _Plan, trees: dict, ctx: dict, cdims: dict,
+                           sctx: dict, ids: torch.Tensor, rnd: RoundInfo) -> dict:
+        """The phase's optimizer steps on every client at once (``plan``: :meth:`_phase_plans`);
+        returns the trees. No host synchronisation (the step counts are ``plan``'s)."""
+        m = ids.shape[0]
         if ph.init is not None:
             trees = tree_clone(vmap(ph.init, in_dims=(0, cdims))(trees, ctx))
         names = self._trained_names(algo, ph, trees)
         opts = self._optimizers(algo, ph, names, rnd)
-        if callable(ph.epochs):
-            epochs = [int(e) for e in vmap(ph.epochs, in_dims=(cdims,))(ctx).tolist()]
-        else:
-            epochs = [self._epochs(ph)] * m
-        bs = self._batch_size(ph)
-        plans = [phase_plan(n, bs, e, self.seed, rnd.round, c, ph) if e > 0 else torch.empty(0, bs, dtype=torch.int64)
-                 for n, e, c in zip(sizes, epochs, clients)]
-        plan = _Plan(plans, bs, ids.device)
         if plan.steps == 0:
-            return trees, plan.steps_k
+            return trees
         t = trees if plan.identity else tree_index(trees, plan.perm)
         t = {tn: dict(tree) for tn, tree in t.items()}  # leaves may be re-laid out below; the caller's dicts stay
         c = ctx if plan.identity else _permute(ctx, cdims, plan.perm)
@@ -243,7 +299,7 @@ class StackedExecutor(SequentialExecutor):
                         for k, v in leaves.items():
                             t[tn][k][:a].copy_(v)
         t = {tn: {k: v.detach().contiguous() for k, v in tree.items()} for tn, tree in t.items()}  # laid back
-        return (t if plan.identity else tree_index(t, plan.inverse)), plan.steps_k
+        return t if plan.identity else tree_index(t, plan.inverse)
 
     def _chunks(self, m: int) -> list[slice]:
         """Consecutive row ranges of at most ``train.stack_clients`` rows (one range when unset)."""
@@ -296,11 +352,11 @@ class StackedExecutor(SequentialExecutor):
         sctx = self._sample_context_stacked(algo, ctx, cdims, ids)
         phases = algo.phases(rnd)
         self._check_phases(algo, phases)
-        steps = {}
-        for ph in phases:
-            trees, steps_k = self._run_phase_stacked(algo, ph, trees, ctx, cdims, sctx, ids, sizes, cl, rnd)
-            steps[ph.name] = torch.as_tensor(steps_k, device=dev)
-        info["steps"] = steps
+        plans = self._phase_plans(algo, phases, ctx, cdims, sizes, cl, rnd)
+        with local_steps():
+            for ph, plan in zip(phases, plans):
+                trees = self._run_phase_stacked(algo, ph, plan, trees, ctx, cdims, sctx, ids, rnd)
+        info["steps"] = {ph.name: plan.steps_dev for ph, plan in zip(phases, plans)}
         for p in passes:
             if p.when == "after":
                 info[p.name] = self._run_pass_stacked(algo, p, trees, ctx, cdims, ids, sizes, cl, rnd)
@@ -325,8 +381,10 @@ class StackedExecutor(SequentialExecutor):
         groups = [self.data.client_train[c] for c in cl]
         ids, _ = _pad_ids(groups)
         trees = {"model": tree_clone(models)}
-        for ph in phases:
-            trees, _ = self._run_phase_stacked(algo, ph, trees, {}, {}, {}, ids, [len(g) for g in groups], cl, rnd)
+        plans = self._phase_plans(algo, phases, {}, {}, [len(g) for g in groups], cl, rnd)
+        with local_steps():
+            for ph, plan in zip(phases, plans):
+                trees = self._run_phase_stacked(algo, ph, plan, trees, {}, {}, {}, ids, rnd)
         return trees["model"]
 
     @torch.no_grad()

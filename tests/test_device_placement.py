@@ -1,0 +1,171 @@
+"""The GPU path proven on a CPU (issue 32): one round of every registered method, on both
+executors, with every tensor on an accelerator.
+
+Without a GPU the accelerator is emulated (:mod:`medpfl.fl.emulated_device`): the data set,
+the model, the optimizer buffers, the masks and the records' counts live on the ``emu`` device
+(values held on the CPU), and the run fails
+
+* on any op that mixes a tensor on the device with one left on the CPU
+  (:class:`~medpfl.fl.emulated_device.DevicePlacementError`: what CUDA reports as "Expected all
+  tensors to be on the same device"; a 0-dim CPU tensor too, which CUDA would accept);
+* on the stacked executor, on any host synchronisation between the round's first and last local
+  step (:func:`medpfl.fl.stacked.local_steps`): a value read on the host (``.item()``,
+  ``int(t)``, ``bool(t)``, ``.tolist()``), a value-dependent shape (``nonzero``, boolean
+  indexing), a copy to or from the host (:class:`~medpfl.fl.emulated_device.HostSyncError`).
+
+The round is the contract test's (``tests/test_contract.py``: 5 synthetic clients, 3 sampled, 1
+local epoch, the method's contract model), one round with evaluation; its records equal the CPU
+run's exactly (the emulation computes with the CPU kernels), and every tensor of the server
+state, the client states and the personalized models is still on the device after it. Two
+deliberately broken variants (a method that builds a CPU tensor in its objective; a host read
+in the stacked step loop) must fail, so the test can fail.
+
+On a CUDA GPU (``gpu`` marker, skipped without one) the same rounds run on ``cuda`` with
+``torch.cuda.set_sync_debug_mode("error")`` around the stacked executor's local steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pandas as pd
+import pytest
+import torch
+
+import medpfl.fl.stacked as stacked
+from medpfl.algorithms import REGISTRY
+from medpfl.config import EvalConfig
+from medpfl.fl.data import FederatedData
+from medpfl.fl.emulated_device import (DevicePlacementError, EmulatedDevice, HostSyncError, host_tensors,
+                                       register_device)
+from medpfl.fl.engine import Engine
+from medpfl.models import ZOO
+from tests.conftest import make_algo
+from tests.test_contract import _train, model_for
+
+METHODS = sorted(REGISTRY)
+STACKABLE = [m for m in METHODS if REGISTRY[m].not_stackable_because is None]
+
+#: methods whose round cannot run with every tensor on the device, with the reason (none today)
+XFAIL: dict[tuple[str, str], str] = {}
+
+
+def _table(processed):
+    from medpfl.config import partition_config
+    from medpfl.data.partition import build_partition
+
+    pool = processed.samples[processed.samples["split"] == "train"]
+    val = processed.samples[processed.samples["split"] == "val"]
+    cfg = partition_config(num_clients=5, alpha=0.5, seed=1, min_samples=20, server_data={"count": 20})
+    return build_partition(pool["sample_id"].to_numpy(), pool["label"].to_numpy(), cfg, "t",
+                           val=(val["sample_id"].to_numpy(), val["label"].to_numpy()))
+
+
+@pytest.fixture(scope="module")
+def emu_data(synthetic_processed):
+    """``tests/conftest.py``'s ``fed_data`` built directly on the emulated device."""
+    with EmulatedDevice():
+        return FederatedData.build(synthetic_processed, _table(synthetic_processed), register_device())
+
+
+def _round(data, method, executor, device):
+    """One engine round (evaluated) of ``method`` on ``executor`` with the data on ``device``."""
+    model = model_for(method)
+    algo = make_algo(method, model=model, model_args=ZOO[model].tiny_args, device=device)
+    train = _train(model=model, model_args=ZOO[model].tiny_args, rounds=1, checkpoint_every=0)
+    return Engine(algo, data, train, EvalConfig(every=1), seed=1, executor_kind=executor,
+                  fingerprint="placement").run()
+
+
+def _emulated_round(emu_data, method, executor, monkeypatch):
+    """The round under :class:`EmulatedDevice`, host syncs forbidden in the stacked local steps;
+    returns ``(result, mode)``."""
+    mode = EmulatedDevice()
+    monkeypatch.setattr(stacked, "local_steps", lambda: mode.no_sync("local steps"))
+    with mode:
+        res = _round(emu_data, method, executor, emu_data.device)
+    return res, mode
+
+
+def _cases():
+    for m in METHODS:
+        for ex in ("sequential", "stacked"):
+            if ex == "stacked" and m not in STACKABLE:
+                continue
+            marks = [pytest.mark.xfail(reason=XFAIL[(m, ex)], strict=True)] if (m, ex) in XFAIL else []
+            yield pytest.param(m, ex, marks=marks, id=f"{m}-{ex}")
+
+
+@pytest.mark.parametrize("method, executor", list(_cases()))
+def test_round_keeps_every_tensor_on_the_device(emu_data, fed_data, method, executor, monkeypatch):
+    res, mode = _emulated_round(emu_data, method, executor, monkeypatch)
+    left = (host_tensors(res.server, "server") + host_tensors(res.client_states, "client_states")
+            + host_tensors(res.personalized, "personalized") + host_tensors(res.global_params, "global"))
+    assert not left, f"tensors on the CPU after the round: {left[:5]}"
+    assert mode.ops["local steps"] > 0 or executor == "sequential", "the stacked local steps did not run in the hook"
+    ref = _round(fed_data, method, executor, "cpu")  # the same round on the CPU: the same records
+    pd.testing.assert_frame_equal(res.records, ref.records)
+
+
+def test_a_cpu_tensor_in_the_objective_fails(emu_data, monkeypatch):
+    """A method whose objective builds a tensor on the CPU (here: a constant [1] added to the
+    loss) fails on both executors."""
+    real = REGISTRY["fedavg"].local_loss
+
+    def leaky(self, trees, ctx, batch):
+        return (real(self, trees, ctx, batch) + torch.zeros(1)).sum()
+
+    monkeypatch.setattr(REGISTRY["fedavg"], "local_loss", leaky)
+    for executor in ("sequential", "stacked"):
+        with pytest.raises(DevicePlacementError, match="CPU tensor"):
+            _emulated_round(emu_data, "fedavg", executor, monkeypatch)
+
+
+def test_a_cpu_batch_plan_fails(emu_data, monkeypatch):
+    """Mini-batch positions left on the CPU (the plan not moved to the device) fail."""
+    monkeypatch.setattr(stacked, "_to_device", lambda plans, device: [
+        p.place(*(t.view(t.shape) for t in p.host_parts())) for p in plans])
+    with pytest.raises(DevicePlacementError):
+        _emulated_round(emu_data, "fedavg", "stacked", monkeypatch)
+
+
+def test_a_host_read_in_the_stacked_step_loop_fails(emu_data, monkeypatch):
+    """A value read on the host inside the stacked local steps (here: the batch's sample count)
+    fails; the same read outside them does not."""
+    real = stacked.StackedExecutor._gather_sctx
+
+    def reads(self, sctx, pos, a):
+        int(pos.sum())
+        return real(self, sctx, pos, a)
+
+    monkeypatch.setattr(stacked.StackedExecutor, "_gather_sctx", reads)
+    with pytest.raises(HostSyncError, match="value read on the host"):
+        _emulated_round(emu_data, "fedavg", "stacked", monkeypatch)
+    _, mode = _emulated_round(emu_data, "fedavg", "sequential", monkeypatch)  # the sequential executor may read
+    assert mode.syncs[("outside", "value read on the host")] > 0
+
+
+# ----- on a real GPU ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cuda_data(synthetic_processed):
+    return FederatedData.build(synthetic_processed, _table(synthetic_processed), torch.device("cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("method, executor", list(_cases()))
+def test_round_on_cuda_without_host_syncs_in_the_local_steps(cuda_data, method, executor, monkeypatch):
+    @contextlib.contextmanager
+    def strict():
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(stacked, "local_steps", strict)
+    res = _round(cuda_data, method, executor, torch.device("cuda"))
+    leaves = [t for tree in (res.server, res.client_states) for t in torch.utils._pytree.tree_leaves(tree)
+              if isinstance(t, torch.Tensor)]
+    assert all(t.device.type == "cuda" for t in leaves)
