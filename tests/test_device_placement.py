@@ -43,6 +43,12 @@ from medpfl.models import ZOO
 from tests.conftest import make_algo
 from tests.test_contract import _train, model_for
 
+# Registered when this module is collected, i.e. before any test of the session runs a backward
+# pass: autograd's engine sizes its per-device ready queues when it first starts, and a device
+# type registered after that has none ("device_ready_queues_ ... INTERNAL ASSERT FAILED" in a full
+# suite run, where other tests train first).
+register_device()
+
 METHODS = sorted(REGISTRY)
 STACKABLE = [m for m in METHODS if REGISTRY[m].not_stackable_because is None]
 
