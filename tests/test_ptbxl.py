@@ -189,3 +189,18 @@ def test_short_record_names_file(tmp_path):
     write_record(tmp_path, 1, n=4000)
     with pytest.raises(DataError, match=r"00001_hr\.hea: 4000 samples, expected at least 5000"):
         ptbxl.load_ptbxl(tmp_path)
+
+
+def test_top_code_ties_take_the_first_in_string_order():
+    assert ptbxl.top_code({"IMI": 50.0, "NORM": 50.0, "SR": 0.0}) == "IMI"
+    assert ptbxl.top_code({"NORM": 50.0, "IMI": 50.0}) == "NORM"
+    assert ptbxl.top_code({}) is None
+
+
+def test_unknown_diagnostic_class_names_file(tmp_path):
+    make_ptbxl(tmp_path, ids=[1])
+    bad = STATEMENTS.copy()
+    bad.loc["LVH", "diagnostic_class"] = "XYZ"
+    bad.to_csv(tmp_path / ptbxl.STATEMENTS_CSV)
+    with pytest.raises(DataError, match=r"scp_statements\.csv: diagnostic_class value\(s\) \['XYZ'\]"):
+        ptbxl.read_statements(tmp_path)
