@@ -84,7 +84,8 @@ def test_shapes_dtypes_table(tmp_path):
     s = ptbxl.load_ptbxl(tmp_path)
     assert s.x.shape == (50, 12, 512) and s.x.dtype == np.float32
     t = s.table
-    assert list(t.columns) == ["sample_id", "ecg_id", "patient_id", "strat_fold", "window", "label"]
+    assert list(t.columns) == ["sample_id", "ecg_id", "patient_id", "subject_id", "strat_fold", "window", "label"]
+    assert t["subject_id"].tolist() == t["patient_id"].tolist() and s.class_names == ptbxl.SUPERCLASSES
     assert t["sample_id"].tolist() == list(range(50))
     assert t["window"].tolist() == list(range(10)) * 5
     assert t["ecg_id"].tolist() == [e for e in [1, 2, 6, 7, 8] for _ in range(10)]
@@ -95,6 +96,13 @@ def test_shapes_dtypes_table(tmp_path):
     # left zero padding: 262 zeros, then 250 real samples
     assert not s.x[:, :, :262].any()
     assert (np.abs(s.x[:, :, 262:]).sum(axis=2) > 0).all()
+
+
+def test_missing_root_names_url_and_terms(tmp_path):
+    with pytest.raises(DataError) as e:
+        ptbxl.load_ptbxl(tmp_path / "nowhere")
+    msg = str(e.value)
+    assert "\n" not in msg and ptbxl.OFFICIAL_URL in msg and ptbxl.ACCESS_TERMS in msg
 
 
 def test_ecg_id_order_not_directory_order(tmp_path):

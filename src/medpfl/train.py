@@ -23,7 +23,7 @@ from medpfl.data.partition import PartitionError
 from medpfl.data.preprocess import load_processed
 from medpfl.data.schemas import SharedPartitionTable, validate
 from medpfl.environment import capture, configure_determinism, mlflow_tags
-from medpfl.fl.data import FederatedData
+from medpfl.fl.data import FederatedData, model_input
 from medpfl.fl.engine import Engine, fingerprint, require_server_data, resolve_device
 from medpfl.fl.functional import make_forward, template_on
 from medpfl.fl.tree import tree_map
@@ -126,7 +126,8 @@ def run_training(job: dict, arrays: Path, samples: Path, partition_table: Path, 
     # pool all: every split was partitioned, no global test set; transform: train.transform
     fdata = FederatedData.build(data, table, device, pool=job.get("pool", "train"), transform=train.transform)
     try:
-        template = build_model(train.model, fdata.in_channels, fdata.num_classes, fdata.image_size, train.model_args)
+        template = build_model(train.model, fdata.in_channels, fdata.num_classes, fdata.image_size, train.model_args,
+                               **model_input(fdata))
     except ValueError as e:  # the model does not fit this data set (image side, channels) or its arguments
         raise ParamsError(f"method {job['method']!r} on data set {job['dataset']!r}: {e}") from None
     counts = parameter_counts(template)

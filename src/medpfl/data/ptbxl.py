@@ -1,8 +1,7 @@
 """PTB-XL (PhysioNet 1.0.3) reader and FHBench preprocessing: labels, signals, 1-s samples.
 
-This is the first building block of FHBench's ECG track. It is **not yet wired** into the
-download -> preprocess -> partition stages (no Snakemake rule, no :class:`DatasetSpec`), and no
-model consumes it yet (``docs/multimodal.md``).
+FHBench's ECG track. Wired into the download -> preprocess -> partition stages as the folder
+data set ``ptbxl`` (:data:`medpfl.data.multimodal.FOLDER_DATASETS`; ``docs/multimodal.md``).
 
 Sources
 -------
@@ -79,10 +78,11 @@ STATEMENTS_CSV = "scp_statements.csv"
 DATABASE_COLUMNS = ("ecg_id", "patient_id", "scp_codes", "strat_fold", "filename_hr")
 STATEMENTS_COLUMNS = ("diagnostic_class",)
 
-# Official download (documented constant only; not yet a DatasetSpec of medpfl.data.sources).
-# The data set's checksums are in SHA256SUMS.txt at the same address.
+# Official download. The data set's checksums are in SHA256SUMS.txt at the same address (the
+# download stage checks them: medpfl.data.sources.fetch_folder).
 OFFICIAL_URL = "https://physionet.org/files/ptb-xl/1.0.3/"
 OFFICIAL_SHA256SUMS = OFFICIAL_URL + "SHA256SUMS.txt"
+ACCESS_TERMS = "open access, Creative Commons Attribution 4.0 (CC BY 4.0)"
 
 
 def _read_csv(path: Path, columns: tuple[str, ...], **kw) -> pd.DataFrame:
@@ -249,14 +249,17 @@ class PtbxlSamples:
     ``x``: float32 ``[N, 12, 512]`` (N = 10 x kept records; 250 real samples at 250 Hz, i.e. 1 s,
     in the last 250 columns, zeros before). ``table``: one row per sample, in the order of ``x``
     (records by ``ecg_id``, then ``window`` 0-9): ``sample_id`` (row in ``x``), ``ecg_id``,
-    ``patient_id``, ``strat_fold``, ``window`` (the 1-s window's index, its start in seconds),
-    ``label`` (int64, NORM 0, MI 1, STTC 2, CD 3, HYP 4). ``records``: the kept records
-    (:func:`label_records`).
+    ``patient_id``, ``subject_id`` (int64, = ``patient_id``: the shared reader interface's name,
+    read by the ``subject`` partition scheme), ``strat_fold``, ``window`` (the 1-s window's
+    index, its start in seconds), ``label`` (int64, NORM 0, MI 1, STTC 2, CD 3, HYP 4); no
+    ``split`` (FHBench pools every record; ``strat_fold`` keeps PhysioNet's recommended folds).
+    ``records``: the kept records (:func:`label_records`). ``class_names``: :data:`SUPERCLASSES`.
     """
 
     x: np.ndarray
     table: pd.DataFrame
     records: pd.DataFrame
+    class_names: tuple[str, ...] = SUPERCLASSES
 
 
 def load_ptbxl(root: str | Path, window_normalize: bool = True, pad_to: int = PAD_TO,
@@ -265,7 +268,11 @@ def load_ptbxl(root: str | Path, window_normalize: bool = True, pad_to: int = PA
 
     ``limit``: only the first ``limit`` kept records (by ``ecg_id``), for smoke runs.
     Memory: the full set is about 19,140 records x 10 x 12 x 512 x 4 B = 4.7 GB.
+    Raises DataError naming :data:`OFFICIAL_URL` and :data:`ACCESS_TERMS` when ``root`` is not
+    a folder, and naming the file for a missing or damaged one.
     """
+    if not Path(root).is_dir():
+        raise DataError(f"{root}: no PTB-XL 1.0.3 folder here; get it from {OFFICIAL_URL} ({ACCESS_TERMS})")
     records = label_records(read_database(root))
     if limit is not None:
         records = records.iloc[:limit].reset_index(drop=True)
@@ -278,6 +285,7 @@ def load_ptbxl(root: str | Path, window_normalize: bool = True, pad_to: int = PA
         "sample_id": np.arange(n * N_WINDOWS, dtype="int64"),
         "ecg_id": records["ecg_id"].to_numpy()[rep],
         "patient_id": records["patient_id"].to_numpy()[rep],
+        "subject_id": records["patient_id"].to_numpy()[rep],
         "strat_fold": records["strat_fold"].to_numpy()[rep],
         "window": np.tile(np.arange(N_WINDOWS, dtype="int64"), n),
         "label": records["label"].to_numpy()[rep],

@@ -49,7 +49,7 @@ import torch
 from medpfl.algorithms.base import Algorithm, check_required_parts
 from medpfl.config import EvalConfig, TrainConfig, canonical_json
 from medpfl.errors import DivergenceError, ParamsError
-from medpfl.fl.data import FederatedData, ServerData
+from medpfl.fl.data import FederatedData, ServerData, model_input
 from medpfl.fl.evaluation import eval_groups, records_from_counts
 from medpfl.fl.functional import Params, model_state
 from medpfl.fl.payload import UploadSpecError, check_upload, payload_dense_nbytes, payload_nbytes
@@ -177,7 +177,7 @@ class Engine:
     def initial_params(self) -> Params:
         torch.manual_seed(self.seed)
         model = build_model(self.train.model, self.data.in_channels, self.data.num_classes, self.data.image_size,
-                            self.train.model_args)
+                            self.train.model_args, **model_input(self.data))
         return {k: v.to(self.data.device) for k, v in model_state(model).items()}
 
     def _sync(self):

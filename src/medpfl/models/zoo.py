@@ -13,6 +13,13 @@ Adding a model (a ResNet, a ViT): write the module (contract below), an ``Args``
 knobs (or :class:`NoArgs`), a builder, and one :data:`ZOO` entry; ``tests/test_models.py`` then
 checks it (forward shapes, parts, both executors) without being edited.
 
+Sequence models (the FHBench text, time-series and audio tracks) declare the sample kind they
+take as the entry's ``input`` (``tokens``: int64 ``[L]`` token ids; ``timeseries``: float32
+``[C, T]``; ``waveform``: float32 ``[T]``; :data:`medpfl.data.multimodal.KINDS`) and are built with
+``build_model(..., sample_shape=..., kind=..., pad_token_id=...)`` (the training stage passes
+:attr:`medpfl.fl.data.FederatedData.sample_shape`, ``.kind`` and ``.pad_token_id``); their
+builder is called as ``build(shape, num_classes, args, kind=kind, pad_token_id=pad_token_id)``.
+
 The contract every zoo model meets: ``forward(x, mask=None, with_features=False)`` returns logits
 float [B, C] (``(z, logits)`` with the penultimate features z float [B, d] when
 ``with_features``); ``mask`` (bool [B]) marks the real samples of a padded batch, for BatchNorm;
@@ -191,7 +198,9 @@ class ZooEntry:
     build: Callable[[tuple[int, ...], int, Any], nn.Module]
     summary: str
     Args: type[ModelArgs] = NoArgs
-    #: input the model takes: "image" ([C, H, W] samples only) or "any" (flattened)
+    #: input the model takes: "image" ([C, H, W] samples only), "any" (flattened: images, vectors, time
+    #: series, waveforms; not token ids), or one sequence kind: "tokens", "timeseries", "waveform"
+    #: (such a builder also gets the keywords kind and pad_token_id)
     input: str = "image"
     #: arguments of a small stand-in that builds offline (no download) for tests and CPU runs
     tiny_args: Mapping[str, Any] | None = None
@@ -273,13 +282,21 @@ def parameter_counts(module: nn.Module) -> dict[str, int]:
     return {"trainable": int(tr), "frozen": int(tot - tr), "total": int(tot)}
 
 
+SEQUENCE_KINDS = ("tokens", "timeseries", "waveform")
+
+
 def build_model(name: str, in_channels: int, num_classes: int, image_size: int | None = None,
-                model_args: Mapping[str, Any] | None = None) -> nn.Module:
+                model_args: Mapping[str, Any] | None = None, *, sample_shape: tuple[int, ...] | None = None,
+                kind: str | None = None, pad_token_id: int | None = None) -> nn.Module:
     """Build a model by its params name (``train.model``) with its ``train.model_args``.
 
     Samples are images [in_channels, image_size, image_size], or vectors of ``in_channels``
-    features when ``image_size`` is None. Weights: PyTorch default initialisation from the
-    current torch RNG. Raises ValueError naming ``train.model`` / ``train.model_args``.
+    features when ``image_size`` is None (``kind`` None, ``image`` or ``vector``: this path is
+    unchanged, ``sample_shape`` is not read). For a sequence ``kind`` (``tokens``,
+    ``timeseries``, ``waveform``) the sample is ``sample_shape`` (``(L,)``, ``(C, T)``, ``(T,)``)
+    and the model must take that kind (its entry's ``input``; ``any`` takes all but tokens);
+    ``pad_token_id`` is the data's padding id (tokens). Weights: PyTorch default initialisation
+    from the current torch RNG. Raises ValueError naming ``train.model`` / ``train.model_args``.
     """
     try:
         entry = _entry(name)
@@ -289,7 +306,22 @@ def build_model(name: str, in_channels: int, num_classes: int, image_size: int |
         args = entry.Args.model_validate(resolve_model_args(name, model_args))
     except ValueError as e:
         raise ValueError(f"train.model_args: {e}") from None
-    shape = (int(in_channels),) if image_size is None else (int(in_channels), int(image_size), int(image_size))
-    model = entry.build(shape, num_classes, args)
+    if kind in SEQUENCE_KINDS:
+        if sample_shape is None:
+            raise ValueError(f"train.model={name}: {kind} samples need their sample_shape (internal error)")
+        shape = tuple(int(v) for v in sample_shape)
+        if entry.input == kind:
+            model = entry.build(shape, num_classes, args, kind=kind, pad_token_id=pad_token_id)
+        elif entry.input == "any" and kind != "tokens":
+            model = entry.build(shape, num_classes, args)
+        else:
+            takes = "any samples but token ids (flattened)" if entry.input == "any" else f"{entry.input} samples"
+            raise ValueError(f"train.model={name} takes {takes}; this data set's samples are {kind} {list(shape)}")
+    else:
+        if entry.input in SEQUENCE_KINDS:
+            raise ValueError(f"train.model={name} takes {entry.input} samples; this data set's samples are "
+                             f"{kind or ('image' if image_size is not None else 'vector')}")
+        shape = (int(in_channels),) if image_size is None else (int(in_channels), int(image_size), int(image_size))
+        model = entry.build(shape, num_classes, args)
     model.zoo_name = name
     return model
