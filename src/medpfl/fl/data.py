@@ -42,16 +42,17 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 FLOAT_CACHE_MAX_BYTES = 1 << 30
 
 #: per sample kind: (sample array ndim, dtype: a torch dtype, or "int" / "float" for any of them)
-SAMPLE_LAYOUT = {"image": (4, "int"), "vector": (2, "float"), "tokens": (2, torch.int64),
+SAMPLE_LAYOUT = {"image": (4, "int"), "vector": (2, "any"), "tokens": (2, torch.int64),
                  "timeseries": (3, torch.float32), "waveform": (2, torch.float32)}
 
 
 def infer_sample_kind(images: torch.Tensor) -> str:
-    """The kind of samples built without one: integer [N, C, H, W] -> ``image``, floating [N, d] ->
-    ``vector`` (the only kinds before ``kind`` existed). Raises DataError otherwise."""
+    """The kind of samples built without one: integer [N, C, H, W] -> ``image``, [N, d] ->
+    ``vector`` (the only kinds before ``kind`` existed; integer vectors are normalised like
+    images, float ones passed through, as before). Raises DataError otherwise."""
     if images.dim() == 4 and not images.is_floating_point():
         return "image"
-    if images.dim() == 2 and images.is_floating_point():
+    if images.dim() == 2:
         return "vector"
     raise DataError(f"samples {images.dtype} {list(images.shape)}: give their kind (one of {', '.join(SAMPLE_LAYOUT)})")
 
@@ -101,9 +102,9 @@ class FederatedData:
             raise DataError(f"sample kind {self.kind!r} is not one of {', '.join(SAMPLE_LAYOUT)}")
         ndim, dtype = SAMPLE_LAYOUT[self.kind]
         fl = self.images.is_floating_point()
-        if self.images.dim() != ndim or (dtype == "int" and fl) or (dtype == "float" and not fl) or \
+        if self.images.dim() != ndim or (dtype == "int" and fl) or \
                 (isinstance(dtype, torch.dtype) and self.images.dtype != dtype):
-            want = {"int": "an integer dtype", "float": "a floating dtype"}.get(dtype, str(dtype))
+            want = {"int": "an integer dtype", "any": "any dtype"}.get(dtype, str(dtype))
             raise DataError(f"{self.kind} samples must be {ndim}-D with {want}, got {self.images.dtype} "
                             f"{list(self.images.shape)} (re-run preprocess)")
         if (self.kind == "tokens") != (self.pad_token_id is not None):
@@ -135,7 +136,7 @@ class FederatedData:
                 self._imagenet = (torch.tensor(IMAGENET_MEAN, dtype=torch.float32, device=self.device).view(3, 1, 1),
                                   torch.tensor(IMAGENET_STD, dtype=torch.float32, device=self.device).view(3, 1, 1))
         self._float: torch.Tensor | None = None
-        if self.kind == "image":
+        if self.kind in ("image", "vector") and not self.images.is_floating_point():  # uint8: normalised
             per_sample = self.images[0].numel() * (3 if self._expand else 1) if len(self.images) else 0
             if 4 * per_sample * len(self.images) <= FLOAT_CACHE_MAX_BYTES:
                 self._float = self._normalise(self.images)
@@ -178,8 +179,8 @@ class FederatedData:
         waveforms. A new tensor (never a view of the stored arrays)."""
         src = self._float if self._float is not None else self.images
         v = src.index_select(0, idx.reshape(-1)).view(*idx.shape, *src.shape[1:])
-        if self._float is not None or self.kind == "tokens" or v.dtype == torch.float32:
-            return v  # token ids stay int64, never normalised
+        if self._float is not None or self.kind not in ("image", "vector") or v.dtype == torch.float32:
+            return v  # token ids stay int64, never normalised; time series and waveforms as stored
         if v.is_floating_point():  # vectors of another float dtype given directly: float32, as before
             return v.to(torch.float32)
         return self._normalise(v)
