@@ -61,6 +61,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from medpfl.data.signals import STD_FLOOR, left_pad, standardise  # noqa: F401 - re-exported
 from medpfl.errors import DataError
 
 SUPERCLASSES = ("NORM", "MI", "STTC", "CD", "HYP")  # label = index [P]
@@ -212,21 +213,6 @@ def resample(sig: np.ndarray, fs_in: int = FS_HR, fs_out: int = FS_TARGET) -> np
     return resample_poly(sig, fs_out // g, fs_in // g, axis=0)
 
 
-STD_FLOOR = 1e-8  # a series with std <= this is treated as constant: centred only, scale 1
-
-
-def standardise(x: np.ndarray, axis: int) -> np.ndarray:
-    """z-score along ``axis`` (population std).
-
-    A (near-)constant series, std <= :data:`STD_FLOOR`, is only centred (scale 1), as sklearn's
-    ``StandardScaler`` does for a zero scale; without the floor a flat lead's rounding noise
-    (~1e-15 after resampling) would be blown up to unit variance.
-    """
-    mean = x.mean(axis=axis, keepdims=True)
-    std = x.std(axis=axis, keepdims=True)
-    return (x - mean) / np.where(std > STD_FLOOR, std, 1.0)
-
-
 def record_windows(sig_hr: np.ndarray, window_normalize: bool = True, pad_to: int = PAD_TO) -> np.ndarray:
     """One 500 Hz record ``[T, 12]`` -> float32 ``[10, 12, pad_to]`` (module rules 5-9)."""
     x = resample(sig_hr)[: FS_TARGET * RECORD_SECONDS]  # [2500, 12] at 250 Hz
@@ -235,11 +221,7 @@ def record_windows(sig_hr: np.ndarray, window_normalize: bool = True, pad_to: in
     w = x.reshape(N_WINDOWS, win, N_LEADS).transpose(0, 2, 1)  # [10, 12, 250]
     if window_normalize:
         w = standardise(w, axis=2)
-    if pad_to < win:
-        raise ValueError(f"pad_to {pad_to} is shorter than a window ({win} samples)")
-    out = np.zeros((N_WINDOWS, N_LEADS, pad_to), dtype=np.float32)
-    out[:, :, pad_to - win:] = w
-    return out
+    return left_pad(w, pad_to)
 
 
 @dataclass
