@@ -178,7 +178,8 @@ def test_default_mirrors_env(monkeypatch, tmp_path):
     monkeypatch.delenv(sources.MIRROR_ENV)
     assert sources.default_mirrors(tmp_path / "proj") == [tmp_path / "shared" / "data" / "medmnist",
                                                           tmp_path / "shared" / "data" / "mnist",
-                                                          tmp_path / "shared" / "data" / "cifar"]
+                                                          tmp_path / "shared" / "data" / "cifar",
+                                                          tmp_path / "shared" / "data" / "multimodal"]
 
 
 # ----------------------------------------------------------------------------- preprocess

@@ -475,11 +475,14 @@ def test_federated_data_keeps_token_ids_and_builds_the_model_from_its_kind():
     assert build_model_for_data("moment-lora", ts, TINY_MOMENT).channels == C_TS
     wav = _fed("wav2vec2-lora")
     assert wav.sample_shape == (T,) and torch.equal(wav.x(torch.tensor([1])), wav.images[[1]])
-    # without a kind, an int64 [N, L] array is read as token ids
-    assert FederatedData(images=data.images, labels=data.labels, num_classes=CLASSES,
-                         global_test=data.global_test, client_train=data.client_train,
-                         client_test=data.client_test, train_hist=data.train_hist,
-                         device=data.device).kind == "tokens"
+    # token ids are declared (the processed file's kind and pad id), never guessed: without a
+    # kind an integer [N, d] array is a vector set, normalised as before; tokens need a pad id
+    common = dict(images=data.images, labels=data.labels, num_classes=CLASSES, global_test=data.global_test,
+                  client_train=data.client_train, client_test=data.client_test, train_hist=data.train_hist,
+                  device=data.device)
+    assert FederatedData(**common).kind == "vector"
+    with pytest.raises(DataError, match="pad_token_id=None with tokens samples"):
+        FederatedData(**common, kind="tokens")
 
 
 def test_federated_data_build_reads_the_processed_kind_and_pad_id():

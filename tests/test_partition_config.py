@@ -225,10 +225,10 @@ def test_a_key_of_another_scheme_names_the_key_path_and_the_scheme():
     lines = _error(_params([{"name": "pfed", "scheme": "per_client_dirichlet", "alpha": 0.5, "min_samples": 5}]))
     assert len(lines) == 1 and lines[0].startswith(
         "  - partitions.pfed.min_samples: not a key of the per_client_dirichlet scheme (a key of dirichlet, iid, "
-        "pathological, shards); the per_client_dirichlet scheme takes ")
+        "pathological, shards, subject); the per_client_dirichlet scheme takes ")
     lines = _error(_params([{"name": "nat", "scheme": "natural", "num_clients": 5, "local_test": {"rule": "random"}}]))
     assert lines == ["  - partitions.nat.local_test: not a key of the natural scheme (a key of dirichlet, iid, "
-                     "pathological, shards, per_client_dirichlet, dirichlet_pairs); the natural scheme takes "
+                     "pathological, shards, per_client_dirichlet, dirichlet_pairs, subject); the natural scheme takes "
                      "num_clients, seed, datasets, server_data"]
 
 
@@ -256,7 +256,7 @@ def test_alpha_on_a_scheme_without_a_dirichlet_draw():
 def test_an_unknown_scheme_names_the_scheme_key():
     assert _error(_params([{"name": "x", "scheme": "dirchlet"}])) == [
         "  - partitions.x.scheme: unknown scheme 'dirchlet'; one of dirichlet, iid, pathological, shards, "
-        "per_client_dirichlet, natural, dirichlet_pairs"]
+        "per_client_dirichlet, natural, dirichlet_pairs, subject"]
 
 
 def test_check_params_prints_one_line_naming_key_and_scheme(tmp_path, capsys):

@@ -33,19 +33,27 @@ def cmd_download(a) -> None:
 
     job = _job(a.job) if a.job else {"dataset": a.dataset, "custom": {}}
     where = fetch(job["dataset"], a.out, custom=job.get("custom") or None, synthetic=job.get("synthetic"))
-    print(f"{job['dataset']}: {a.out} from {where}" + ("" if where.startswith("generated") else " (MD5 verified)"))
+    done = "" if where.startswith("generated") or job.get("folder") or a.out.endswith(".manifest.json") \
+        else " (MD5 verified)"
+    print(f"{job['dataset']}: {a.out} from {where}{done}")
 
 
 def cmd_preprocess(a) -> None:
-    from medpfl.data.preprocess import preprocess
+    from medpfl.data.preprocess import preprocess, preprocess_folder
     from medpfl.data.sources import dataset_spec
 
     job = _job(a.job) if a.job else {"dataset": a.dataset, "custom": {}}
     spec = dataset_spec(job["dataset"], job.get("custom") or None, job.get("synthetic"))
-    samples = preprocess(a.raw, a.out, a.samples, spec.num_classes, spec.n_channels, layout=spec.layout,
-                         norm=spec.norm, class_names=spec.class_names)
+    if spec.folder is not None:  # a folder data set: --raw is the download stage's manifest
+        samples = preprocess_folder(a.raw, a.out, a.samples, spec.folder, job.get("options"), verify=a.verify)
+        what = f"{spec.folder.kind} samples"
+    else:
+        samples = preprocess(a.raw, a.out, a.samples, spec.num_classes, spec.n_channels, layout=spec.layout,
+                             norm=spec.norm, class_names=spec.class_names)
+        what = "images"
     counts = samples.groupby("split").size().to_dict()
-    print(f"{job['dataset']}: {len(samples)} images {counts} -> {a.out}")
+    subjects = f", {samples['subject_id'].nunique()} subjects" if "subject_id" in samples.columns else ""
+    print(f"{job['dataset']}: {len(samples)} {what} {counts}{subjects} -> {a.out}")
 
 
 def cmd_partition(a) -> None:
@@ -63,9 +71,11 @@ def cmd_partition(a) -> None:
         natural = (pool["natural_client"].to_numpy(), pool["natural_split"].to_numpy())
     test = data.samples[data.samples["split"] == "test"]  # for local_test.rule official_test
     val = data.samples[data.samples["split"] == "val"]  # for server_data
+    # scheme subject: whole subjects per client (folder data sets with subject_id)
+    subjects = pool["subject_id"].to_numpy() if "subject_id" in pool.columns else None
     table = build_partition(pool["sample_id"].to_numpy(), pool["label"].to_numpy(), cfg, job["name"], natural=natural,
                             official_test=(test["sample_id"].to_numpy(), test["label"].to_numpy()),
-                            val=(val["sample_id"].to_numpy(), val["label"].to_numpy()))
+                            val=(val["sample_id"].to_numpy(), val["label"].to_numpy()), subjects=subjects)
     out = Path(a.out_dir)
     write_parquet(out / "partition.parquet", table)
     counts = client_class_counts(table, data.num_classes)
@@ -375,8 +385,9 @@ USER_COMMANDS = {
 }
 #: (name, one-line help) of the stage commands: what each Snakemake rule runs.
 STAGE_COMMANDS = {
-    "download": "fetch a data set's file (mirror first, then the official URL), MD5-checked",
-    "preprocess": "official .npz -> compact uint8 arrays + sample table",
+    "download": "fetch a data set's file (mirror first, then the official URL), MD5-checked; a folder data set: "
+                "verify its root in a mirror, write a manifest",
+    "preprocess": "official .npz (or a folder data set's reader) -> compact arrays + sample table",
     "partition": "split the pool over clients; local train/test(/val) splits",
     "partition-figure": "heat map of a partition's samples per class and client",
     "mlflow-init": "create the MLflow store, experiment and the study's parent run",
@@ -453,11 +464,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dataset", metavar="NAME", help="data set name (used when --job is absent)")
     s.add_argument("--job", metavar="JSON", help=JOB_HELP + ': {"dataset": NAME, "custom": {...}, '
                    '"synthetic": {...}}, as for download')
-    s.add_argument("--raw", required=True, metavar="PATH", help="the downloaded raw file (data/raw/<dataset>.npz)")
+    s.add_argument("--raw", required=True, metavar="PATH", help="the downloaded raw file (data/raw/<dataset>.npz), "
+                   "or a folder data set's manifest (data/raw/<dataset>.manifest.json)")
     s.add_argument("--out", required=True, metavar="NPZ", help="processed arrays to write "
                    "(data/processed/<dataset>.npz)")
     s.add_argument("--samples", required=True, metavar="PARQUET", help="sample table to write: one row per "
                    "image with its split and label (data/processed/<dataset>.samples.parquet)")
+    s.add_argument("--verify", choices=("size", "sha256"), default="size",
+                   help="folder data sets: check the manifest's files by size (default, cheap) or re-hash them all "
+                        "(sha256)")
 
     s = command("partition", cmd_partition)
     s.add_argument("--job", required=True, metavar="JSON", help=JOB_HELP + ': {"dataset": NAME, "name": '

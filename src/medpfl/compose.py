@@ -22,6 +22,7 @@ from pydantic import BaseModel
 
 from medpfl import config
 from medpfl.algorithms import resolve_method
+from medpfl.data.multimodal import FOLDER_DATASETS
 from medpfl.data.sources import check_dataset_name, parse_synthetic_name
 from medpfl.fl import privacy, server_opt
 from medpfl.models import check_model_name, resolve_model_args
@@ -44,6 +45,10 @@ class ProjectCatalogue:
 
     def is_synthetic_name(self, name: str) -> bool:
         return parse_synthetic_name(name) is not None
+
+    def folder_dataset_kind(self, name: str) -> str | None:
+        entry = FOLDER_DATASETS.get(name)
+        return entry.kind if entry is not None else None
 
     def resolve_method(self, name: str, method_params: dict[str, Any]) -> tuple[type, BaseModel]:
         return resolve_method(name, method_params)

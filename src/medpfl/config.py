@@ -53,6 +53,10 @@ class Catalogue(Protocol):
     def is_synthetic_name(self, name: str) -> bool:
         """``name`` is a generated ``synthetic_<alpha>_<beta>`` data set's."""
 
+    def folder_dataset_kind(self, name: str) -> str | None:
+        """The sample kind (``tokens``, ``timeseries``, ``waveform``) of a folder data set of the
+        registry (:mod:`medpfl.data.multimodal`), or None when ``name`` is not one."""
+
     def resolve_method(self, name: str, method_params: dict[str, Any]) -> tuple[type, BaseModel]:
         """``(algorithm class, validated method config)`` of a method name (raises naming ``methods``
         or ``method_params.<name>.<key>``)."""
@@ -414,6 +418,33 @@ class ShardsPartitionConfig(DrawnPartitionConfig, _NoAlpha):
         return v
 
 
+class SubjectPartitionConfig(DrawnPartitionConfig, _NoAlpha):
+    """``scheme: subject``: FHBench's "natural" partition of its EEG, ECG and audio sets
+    (``../shared/docs/methods-pfedkdwcl-epfl.md`` B, "Partitioning": "natural: by patient or
+    recording-session ID, for ADFTD, PTB-XL, ICBHI and SPRSound"): whole subjects (the sample
+    table's ``subject_id``) are assigned to clients, so no subject is in two clients; each
+    client's samples are then split by ``local_test`` as in every drawn scheme. The paper gives
+    no assignment rule (its code has none: every reported run uses Dirichlet 0.1), so ours:
+
+    - ``assign: balanced`` (default): the subjects in a seeded random order
+      (``rng.permutation``), each to the client holding the fewest samples so far (ties: the
+      lowest client id), so client sizes differ by at most about one subject's samples;
+    - ``assign: round_robin``: the same seeded order dealt round-robin (subject i of the
+      permutation to client i mod K), equal subject counts, sizes as the subjects come.
+
+    Needs at least ``num_clients`` subjects; the partition stops when a client holds fewer than
+    ``min_samples``. ``pool`` and ``data_fraction`` apply as in every drawn scheme (the fraction
+    drops samples, never moves a subject). Partitioner:
+    :class:`medpfl.data.partition.SubjectPartitioner`."""
+
+    scheme: Literal["subject"] = "subject"
+    assign: Literal["balanced", "round_robin"] = Field(
+        "balanced", description="balanced (default, ours): subjects in a seeded order, each to the client with the "
+                                "fewest samples; round_robin: the seeded order dealt round-robin")
+    min_samples: int = Field(10, ge=1, description="the partition stops when a client would hold fewer (default "
+                                                   "10: the dirichlet scheme's)")
+
+
 class PerClientDirichletPartitionConfig(DrawnPartitionConfig, _DirichletAlpha):
     """``scheme: per_client_dirichlet``: the pFedKD-WCL partition (Hsu et al. 2019 per-client
     Dirichlet; HengruiH/pFedKD ``utils/MNIST_dirichlet.py``): client k holds
@@ -532,7 +563,8 @@ class NaturalPartitionConfig(PartitionConfigBase, _NoAlpha):
 PARTITION_CONFIGS: dict[str, type[PartitionConfigBase]] = {
     cls.model_fields["scheme"].default: cls
     for cls in (DirichletPartitionConfig, IIDPartitionConfig, PathologicalPartitionConfig, ShardsPartitionConfig,
-                PerClientDirichletPartitionConfig, NaturalPartitionConfig, DirichletPairsPartitionConfig)
+                PerClientDirichletPartitionConfig, NaturalPartitionConfig, DirichletPairsPartitionConfig,
+                SubjectPartitionConfig)
 }
 
 #: The keys of the flat partition model every scheme shared before they had their own classes,
@@ -571,6 +603,7 @@ PartitionConfig = Annotated[
         Annotated[PerClientDirichletPartitionConfig, Tag("per_client_dirichlet")],
         Annotated[NaturalPartitionConfig, Tag("natural")],
         Annotated[DirichletPairsPartitionConfig, Tag("dirichlet_pairs")],
+        Annotated[SubjectPartitionConfig, Tag("subject")],
     ],
     Discriminator(_scheme_tag, custom_error_type="partition_scheme",
                   custom_error_message=f"unknown partition scheme; one of {', '.join(PARTITION_CONFIGS)}"),
@@ -1021,6 +1054,19 @@ class SyntheticDataset(_Strict):
     train_fraction: float = Field(0.75, gt=0.0, lt=1.0, description="per client: first share of its permutation")
 
 
+class MultimodalDatasetConfig(_Strict):
+    """``data.multimodal.<name>``: options of one folder data set (:mod:`medpfl.data.multimodal`:
+    ``ptbxl``, ...), used by its preprocess stage. Keys at their defaults are left out of the data
+    job, so adding this section re-runs nothing."""
+
+    tokenizer: str | None = Field(None, description="tokens data sets only: the tokenizer (hub id or folder) that "
+                                                    "preprocess tokenises with (null: the registry's default)")
+    max_length: int | None = Field(None, ge=2, description="tokens data sets only: tokens per sample, padded or "
+                                                           "truncated (null: the registry's, 512)")
+    limit: int | None = Field(None, ge=1, description="smoke runs: only the reader's first `limit` records "
+                                                      "(its own unit: PTB-XL records, ...); null = all")
+
+
 class DataConfig(_Strict):
     """Data sets by name: a MedMNIST file stem (``bloodmnist`` (28 px) or ``bloodmnist_64``),
     ``mnist`` (MNIST, the Keras ``mnist.npz``), ``cifar10`` / ``cifar100`` (the official CIFAR
@@ -1029,11 +1075,13 @@ class DataConfig(_Strict):
 
     ``custom`` declares extra files in the official layout (own data, synthetic test data).
     ``synthetic`` overrides a synthetic set's generator arguments (:class:`SyntheticDataset`).
+    ``multimodal`` holds options of folder data sets (``ptbxl``, ...; :class:`MultimodalDatasetConfig`).
     """
 
     datasets: list[str] = Field(default_factory=lambda: ["bloodmnist"], min_length=1)
     custom: dict[str, CustomDataset] = Field(default_factory=dict)
     synthetic: dict[str, SyntheticDataset] = Field(default_factory=dict)
+    multimodal: dict[str, MultimodalDatasetConfig] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _names(self, info: ValidationInfo) -> "DataConfig":
@@ -1049,6 +1097,16 @@ class DataConfig(_Strict):
                                  "e.g. synthetic_0.5_0.5)")
         if len(set(self.datasets)) != len(self.datasets):
             raise ValueError(f"datasets: duplicate entries in {self.datasets}")
+        kind_of = getattr(cat, "folder_dataset_kind", None) if cat is not None else None
+        for name, opts in self.multimodal.items() if kind_of is not None else ():
+            kind = kind_of(name)
+            if kind is None:
+                raise ValueError(f"multimodal.{name}: not a folder data set (the registry medpfl.data.multimodal "
+                                 "has no such name)")
+            for key in ("tokenizer", "max_length"):
+                if getattr(opts, key) is not None and kind != "tokens":
+                    raise ValueError(f"multimodal.{name}.{key}: applies to text (tokens) data sets only; {name} is "
+                                     f"a {kind} data set")
         return self
 
 

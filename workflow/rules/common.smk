@@ -6,7 +6,7 @@ from pathlib import Path
 
 from medpfl.compose import validate_params
 from medpfl.config import canonical_json, partition_job, train_job
-from medpfl.data.sources import dataset_job
+from medpfl.data.sources import dataset_code_files, dataset_job, download_job
 from medpfl.io import tree_hash
 
 PARAMS = validate_params(config, "params.yaml (with any --configfile overlays)")
@@ -119,6 +119,20 @@ def code_hash(*parts):
     return tree_hash([ROOT / "src" / "medpfl" / p for p in parts])
 
 
+def data_code_hash(stage):
+    """The code behind one data set's ``stage`` (preprocess or partition): the generic data files
+    plus, for a folder data set's preprocess, its own reader module only
+    (medpfl.data.sources.dataset_code_files), so adding or editing one reader re-runs no other
+    data set (and no MedMNIST preprocess or archived study)."""
+
+    def hash_of(wildcards):
+        custom = {n: c.model_dump() for n, c in PARAMS.data.custom.items()}
+        files = dataset_code_files(wildcards.dataset, stage, custom)
+        return tree_hash([ROOT / "src" / "medpfl" / "data" / f for f in files])
+
+    return hash_of
+
+
 def train_code_hash(wildcards):
     """The code behind one training job: the engine, the models, the CLI and its method's own
     modules (``method_sources``), so a new or edited method does not re-run the others."""
@@ -133,8 +147,14 @@ def dataset_json(wildcards):
     return q(dataset_job(PARAMS, wildcards.dataset))
 
 
+def download_json(wildcards):
+    """The download job: dataset_json without a folder data set's options (limit, tokenizer)."""
+    return q(download_job(PARAMS, wildcards.dataset))
+
+
 def raw_file(wildcards):
-    """data/raw/<dataset>.npz, or data/raw/<dataset>.tar.gz for a .tar.gz release (CIFAR)."""
+    """data/raw/<dataset>.npz, or data/raw/<dataset>.tar.gz for a .tar.gz release (CIFAR), or
+    data/raw/<dataset>.manifest.json for a folder data set (ptbxl, ...: the files stay in the mirror)."""
     from medpfl.data.sources import dataset_spec
 
     job = dataset_job(PARAMS, wildcards.dataset)

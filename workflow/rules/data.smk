@@ -7,14 +7,15 @@ localrules:
 
 
 # The raw file keeps the release's format: data/raw/<dataset>.npz, or .tar.gz for the CIFAR
-# archives (raw_file(): DatasetSpec.raw_filename).
+# archives; a folder data set (ptbxl, ...) is not copied: its raw file is the manifest of its
+# verified official root in a mirror folder, .manifest.json (raw_file(): DatasetSpec.raw_filename).
 rule download:
     output:
         "data/raw/{dataset}.{ext}",
     wildcard_constraints:
-        ext=r"npz|tar\.gz",
+        ext=r"npz|tar\.gz|manifest\.json",
     params:
-        job=dataset_json,
+        job=download_json,
     log:
         "logs/download/{dataset}.{ext}.log",
     conda:
@@ -31,7 +32,7 @@ rule preprocess:
         samples="data/processed/{dataset}.samples.parquet",
     params:
         job=dataset_json,
-        code=code_hash("data"),
+        code=data_code_hash("preprocess"),
     resources:
         mem_mb=stage_mem_mb,
     log:
@@ -52,7 +53,7 @@ rule partition:
         stats="data/partitions/{dataset}/{partition}/client_stats.json",
     params:
         job=partition_json,
-        code=code_hash("data"),
+        code=data_code_hash("partition"),
     resources:
         mem_mb=stage_mem_mb,
     log:

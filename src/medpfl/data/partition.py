@@ -3,7 +3,8 @@ share into local train and local test.
 
 One class per scheme on the common base :class:`Partitioner` (``DirichletPartitioner``,
 ``IIDPartitioner``, ``PathologicalPartitioner``, ``ShardsPartitioner``,
-``PerClientDirichletPartitioner``, ``PairwiseDirichletPartitioner``, ``NaturalPartitioner``),
+``PerClientDirichletPartitioner``, ``PairwiseDirichletPartitioner``, ``NaturalPartitioner``,
+``SubjectPartitioner``),
 registered by scheme name in :data:`PARTITIONERS` and built from the scheme's config class
 (:mod:`medpfl.config`, ``PARTITION_CONFIGS``) by :meth:`Partitioner.from_config`; each drawing
 partitioner is seeded and returns a list of K index arrays into the label vector it was given
@@ -48,7 +49,8 @@ import pandas as pd
 
 from medpfl.config import (DirichletPairsPartitionConfig, DirichletPartitionConfig, IIDPartitionConfig, LocalTestConfig,
                            NaturalPartitionConfig, PartitionConfigBase, PathologicalPartitionConfig,
-                           PerClientDirichletPartitionConfig, ServerDataConfig, ShardsPartitionConfig)
+                           PerClientDirichletPartitionConfig, ServerDataConfig, ShardsPartitionConfig,
+                           SubjectPartitionConfig)
 from medpfl.data.schemas import SERVER_CLIENT, PartitionTable, SharedPartitionTable, validate
 from medpfl.errors import PartitionError  # noqa: F401  (defined in medpfl.errors; importable here as before)
 
@@ -70,12 +72,15 @@ class Partitioner(ABC):
       checks that every pool sample was assigned).
       ``draws``: the scheme draws from the partition's seeded ``RandomState`` (all but
       ``natural``); only then is ``data_fraction`` applied.
+      ``needs_subjects``: the scheme reads each pool sample's subject (``subject``):
+      :func:`build_partition` then needs ``subjects``.
     """
 
     scheme: ClassVar[str]
     shares_samples: ClassVar[bool] = False
     leaves_out: ClassVar[bool] = False
     draws: ClassVar[bool] = True
+    needs_subjects: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod
@@ -91,14 +96,16 @@ class Partitioner(ABC):
 
     def client_splits(self, labels: np.ndarray, rng: np.random.RandomState | None,
                       local_test: LocalTestConfig | None, *, test_labels: np.ndarray | None = None,
-                      natural: tuple[np.ndarray, np.ndarray] | None = None) -> list[tuple[np.ndarray, ...]]:
+                      natural: tuple[np.ndarray, np.ndarray] | None = None,
+                      subjects: np.ndarray | None = None) -> list[tuple[np.ndarray, ...]]:
         """Each client's local splits: :meth:`partition`, then the rule of ``local_test``, from
         the same ``rng`` (after the partition's draws): :func:`split_official_test` (test
         positions into ``test_labels``, int64 [M], the official test split's labels) or
         :func:`split_local` (``(train, test)`` positions into ``labels``, or ``(train, test,
-        val)`` with the ``ratios`` rule). ``natural`` is for :class:`NaturalPartitioner` only.
+        val)`` with the ``ratios`` rule). ``natural`` is for :class:`NaturalPartitioner` only,
+        ``subjects`` (int64 [N], each pool sample's subject) for :class:`SubjectPartitioner`.
         Raises PartitionError naming ``<key>.local_test``."""
-        clients = self.partition(labels, rng)
+        clients = self.partition_subjects(labels, subjects, rng) if self.needs_subjects else self.partition(labels, rng)
         if local_test.rule == "official_test":
             return split_official_test(clients, labels, test_labels, rng, key=f"{self.key}.local_test")
         return split_local(clients, labels, local_test, rng, key=f"{self.key}.local_test")
@@ -590,6 +597,76 @@ class NaturalPartitioner(Partitioner):
         return _natural_splits(labels, self.num_clients, natural, self.key)
 
 
+@dataclass
+class SubjectPartitioner(Partitioner):
+    """``scheme: subject`` (:class:`medpfl.config.SubjectPartitionConfig`): whole subjects to
+    clients, FHBench's "natural" by-patient split of ADFTD, PTB-XL, ICBHI and SPRSound; the
+    local split follows as in every drawn scheme.
+
+    The subjects present in the pool (sorted ids) are put in the order ``rng.permutation``, then
+    ``balanced``: each, in that order, goes to the client holding the fewest samples so far (ties:
+    the lowest client id); ``round_robin``: subject i of the order goes to client i mod K. A
+    client's samples (all of its subjects') are listed in pool order, and the local rule
+    (``local_test``) then splits them by sample, so one subject's samples may sit in both the
+    client's local train and local test splits (within one client only)."""
+
+    num_clients: int
+    assign: str = "balanced"
+    min_samples: int = 10
+    key: str = "partitions.<name>"
+
+    scheme: ClassVar[str] = "subject"
+    needs_subjects: ClassVar[bool] = True
+
+    @classmethod
+    def from_config(cls, cfg: SubjectPartitionConfig, key: str) -> "SubjectPartitioner":
+        """The partitioner of ``cfg`` (:class:`medpfl.config.SubjectPartitionConfig`)."""
+        return cls(cfg.num_clients, cfg.assign, cfg.min_samples, key)
+
+    def partition(self, labels: np.ndarray, rng: np.random.RandomState) -> list[np.ndarray]:
+        """Not defined without subjects (:meth:`partition_subjects`). Raises PartitionError."""
+        raise PartitionError(f"{self.key}.scheme=subject: needs each sample's subject (internal error)")
+
+    def partition_subjects(self, labels: np.ndarray, subjects: np.ndarray | None,
+                           rng: np.random.RandomState) -> list[np.ndarray]:
+        """labels, subjects: int [N] of the pool. Returns K int64 arrays of positions (ascending:
+        pool order). Raises PartitionError naming the key when there are no subjects, fewer
+        subjects than clients, or a client below ``min_samples``."""
+        if subjects is None:
+            raise PartitionError(f"{self.key}.scheme=subject: the data set has no subject_id column in its sample "
+                                 "table (only folder data sets with subjects: ptbxl, adftd, icbhi, sprsound); choose "
+                                 "another scheme")
+        subjects = np.asarray(subjects)
+        if len(subjects) != len(labels):
+            raise PartitionError(f"{self.key}: {len(subjects)} subject ids for {len(labels)} pool samples "
+                                 "(internal error)")
+        k = self.num_clients
+        ids, inverse, counts = np.unique(subjects, return_inverse=True, return_counts=True)
+        if len(ids) < k:
+            raise PartitionError(f"{self.key}.num_clients={k} exceeds the {len(ids)} subjects of the pool; lower "
+                                 f"{self.key}.num_clients")
+        order = rng.permutation(len(ids))
+        owner = np.empty(len(ids), dtype=np.int64)
+        if self.assign == "round_robin":
+            owner[order] = np.arange(len(ids)) % k
+        elif self.assign == "balanced":
+            heap = [(0, c) for c in range(k)]  # (samples held, client id): the least loaded, lowest id first
+            for s_ in order:
+                held, c = heapq.heappop(heap)
+                owner[s_] = c
+                heapq.heappush(heap, (held + int(counts[s_]), c))
+        else:
+            raise PartitionError(f"{self.key}.assign: unknown rule {self.assign!r} (balanced, round_robin)")
+        client_of = owner[inverse]
+        out = [np.flatnonzero(client_of == c).astype(np.int64) for c in range(k)]
+        small = [(c, len(b)) for c, b in enumerate(out) if len(b) < self.min_samples]
+        if small:
+            raise PartitionError(f"{self.key}: clients {[c for c, _ in small]} hold {[m for _, m in small]} samples "
+                                 f"(whole subjects), fewer than min_samples={self.min_samples}; lower "
+                                 f"{self.key}.num_clients or {self.key}.min_samples")
+        return out
+
+
 def _check_size(n: int, k: int, min_samples: int, key: str) -> None:
     if k > n:
         raise PartitionError(f"{key}.num_clients={k} exceeds the {n} samples of the train split")
@@ -603,7 +680,7 @@ def _check_size(n: int, k: int, min_samples: int, key: str) -> None:
 PARTITIONERS: dict[str, type[Partitioner]] = {
     cls.scheme: cls
     for cls in (DirichletPartitioner, IIDPartitioner, PathologicalPartitioner, ShardsPartitioner,
-                PerClientDirichletPartitioner, NaturalPartitioner, PairwiseDirichletPartitioner)
+                PerClientDirichletPartitioner, NaturalPartitioner, PairwiseDirichletPartitioner, SubjectPartitioner)
 }
 
 
@@ -889,7 +966,8 @@ def draw_server_data(val_ids: np.ndarray, val_labels: np.ndarray, cfg: ServerDat
 def build_partition(pool_ids: np.ndarray, pool_labels: np.ndarray, cfg: PartitionConfigBase, name: str = "<name>",
                     natural: tuple[np.ndarray, np.ndarray] | None = None,
                     official_test: tuple[np.ndarray, np.ndarray] | None = None,
-                    val: tuple[np.ndarray, np.ndarray] | None = None) -> pd.DataFrame:
+                    val: tuple[np.ndarray, np.ndarray] | None = None,
+                    subjects: np.ndarray | None = None) -> pd.DataFrame:
     """Partition the pool and split each client; return the validated table.
 
     pool_ids: int64 [N] sample ids of the pool (the official train split, or with ``pool: all``
@@ -904,6 +982,9 @@ def build_partition(pool_ids: np.ndarray, pool_labels: np.ndarray, cfg: Partitio
     val: ``(sample ids int64 [N_val], labels int64 [N_val])`` of the official val split, used by
     ``server_data`` only (:func:`draw_server_data`); with ``pool: all`` the server's samples are
     removed from the pool before anything else is drawn.
+    subjects: int64 [N], each pool sample's subject (the sample table's ``subject_id``), read
+    by ``scheme: subject`` only (every other scheme ignores it); None when the data set has none
+    (``scheme: subject`` then stops naming the key).
 
     All draws come from one ``RandomState(cfg.seed)``: first, with ``data_fraction < 1``, the
     subset ``choice(N, floor(data_fraction * N), replace=False)`` of the pool (kept in the drawn
@@ -922,6 +1003,10 @@ def build_partition(pool_ids: np.ndarray, pool_labels: np.ndarray, cfg: Partitio
     key = f"partitions.{name}"
     partitioner = make_partitioner(cfg, key)
     pool_ids, pool_labels = np.asarray(pool_ids), np.asarray(pool_labels)
+    if subjects is not None:
+        subjects = np.asarray(subjects)
+        if len(subjects) != len(pool_ids):
+            raise PartitionError(f"{key}: {len(subjects)} subject ids for {len(pool_ids)} pool samples (internal error)")
     test_ids = test_labels = None
     server = None
     if cfg.server_data is not None:
@@ -932,19 +1017,26 @@ def build_partition(pool_ids: np.ndarray, pool_labels: np.ndarray, cfg: Partitio
             raise PartitionError(f"{key}.server_data: {int(held.sum())} server samples are in the {cfg.pool} pool "
                                  "(internal error)")
         pool_ids, pool_labels = pool_ids[~held], pool_labels[~held]
+        if subjects is not None:
+            subjects = subjects[~held]
     rng = None
     if partitioner.draws:  # natural draws nothing (and takes no pool or data_fraction)
         rng = np.random.RandomState(cfg.seed)
         if cfg.data_fraction < 1.0:
-            pool_ids, pool_labels = draw_data_fraction(pool_ids, pool_labels, cfg.data_fraction, cfg.num_clients,
-                                                       rng, key)
+            # the same draw as on the ids (choice over positions), so subjects follow their samples
+            pos, pool_labels = draw_data_fraction(np.arange(len(pool_ids)), pool_labels, cfg.data_fraction,
+                                                  cfg.num_clients, rng, key)
+            pool_ids = pool_ids[pos]
+            if subjects is not None:
+                subjects = subjects[pos]
     if cfg.local_test is not None and cfg.local_test.rule == "official_test":
         test_ids, test_labels = (np.asarray(a) for a in (official_test or ([], [])))
         if len(test_ids) != len(test_labels):
             raise PartitionError(f"{key}: {len(test_ids)} official test ids for {len(test_labels)} labels "
                                  "(internal error)")
     splits = partitioner.client_splits(pool_labels, rng, cfg.local_test, natural=natural,
-                                       test_labels=None if test_labels is None else test_labels.astype(np.int64))
+                                       test_labels=None if test_labels is None else test_labels.astype(np.int64),
+                                       **({"subjects": subjects} if partitioner.needs_subjects else {}))
     rows = []
     for cid, (train, test, *rest) in enumerate(splits):
         rows.append(pd.DataFrame({"sample_id": pool_ids[train], "client_id": cid, "local_split": "train",

@@ -27,6 +27,13 @@ row in the arrays, ``split``, ``index_in_split``, ``label``), validated by
   set), and the table adds ``natural_client`` and ``natural_split`` (the generator's clients
   and local splits, for the ``natural`` partition scheme).
 
+- ``folder`` (the folder data sets of :mod:`medpfl.data.multimodal`: ``ptbxl``, ...): the raw
+  file is the download stage's manifest; :func:`preprocess_folder` checks it, calls the data
+  set's reader on the official root and writes ``images`` = the reader's ``x`` (float32
+  ``[N, C, T]`` time series, float32 ``[N, T]`` waveforms, or int64 ``[N, L]`` token ids tokenised
+  here), ``kind``, ``class_names`` and, for tokens, ``pad_token_id``; the table adds
+  ``subject_id`` where the reader gives one and keeps its official ``split`` (else all ``train``).
+
 Both files are written deterministically (:func:`medpfl.io.write_npz`,
 :func:`medpfl.io.write_parquet`): the same raw file gives the same bytes on any machine.
 
@@ -44,6 +51,8 @@ file, missing keys, wrong shapes or dtypes, labels outside ``[0, num_classes)``,
 
 from __future__ import annotations
 
+import importlib
+import os
 import pickle
 import tarfile
 import zipfile
@@ -55,8 +64,10 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from medpfl.data.schemas import SampleTable, validate
-from medpfl.data.sources import DataError
+from medpfl.data.multimodal import KINDS, FolderDataset
+from medpfl.data.schemas import SPLITS, SampleTable, validate
+from medpfl.data.sources import DataError, check_manifest
+from medpfl.errors import MissingWeightsError
 from medpfl.io import write_npz, write_parquet
 
 SPLIT_ORDER = ("train", "val", "test")
@@ -337,9 +348,12 @@ def load_cifar_archive(path: str | Path, num_classes: int, layout: str
 
 @dataclass
 class ProcessedData:
-    """A preprocessed data set in memory: ``images`` uint8 [N, C, H, W] (or float32 [N, d]
-    vector samples), ``labels`` int64 [N]; ``norm`` the images' ``(mean, std)`` after ToTensor
-    (None: ``Normalize(0.5, 0.5)``; unused for float samples)."""
+    """A preprocessed data set in memory: ``images`` the samples of ``kind``
+    (:data:`medpfl.data.multimodal.KINDS`): uint8 [N, C, H, W] (``image``), float32 [N, d]
+    (``vector``), int64 [N, L] token ids (``tokens``), float32 [N, C, T] (``timeseries``) or
+    float32 [N, T] (``waveform``); ``labels`` int64 [N]; ``norm`` the images' ``(mean, std)``
+    after ToTensor (None: ``Normalize(0.5, 0.5)``; images only); ``pad_token_id`` the token id
+    of padding (``tokens`` only: a model's attention mask is ``input_ids != pad_token_id``)."""
 
     images: np.ndarray
     labels: np.ndarray
@@ -347,6 +361,8 @@ class ProcessedData:
     num_classes: int
     norm: tuple[float, float] | None = None
     class_names: tuple[str, ...] | None = None  # label names by class index (None: unnamed)
+    kind: str = "image"
+    pad_token_id: int | None = None
 
     def split_ids(self, split: str) -> np.ndarray:
         return self.samples.loc[self.samples["split"] == split, "sample_id"].to_numpy()
@@ -426,10 +442,162 @@ def load_processed(arrays: str | Path, samples: str | Path) -> ProcessedData:
             images, labels, num_classes = z["images"], z["labels"], int(z["num_classes"])
             norm = (float(z["norm_mean"]), float(z["norm_std"])) if "norm_mean" in z.files else None
             names = tuple(str(c) for c in z["class_names"]) if "class_names" in z.files else None
+            kind = str(z["kind"]) if "kind" in z.files else None
+            pad = int(z["pad_token_id"]) if "pad_token_id" in z.files else None
     except (zipfile.BadZipFile, OSError, ValueError, KeyError, EOFError) as e:
         raise DataError(f"{arrays}: unreadable processed array file ({e}); delete it and re-run preprocess") from None
+    kind = kind or infer_kind(images, arrays)
+    if kind not in KINDS:
+        raise DataError(f"{arrays}: kind {kind!r} is not one of {', '.join(KINDS)}")
+    if kind == "tokens" and pad is None:
+        raise DataError(f"{arrays}: token ids without pad_token_id (re-run preprocess)")
     table = validate(SampleTable, read_parquet(samples), str(samples))
     if len(table) != len(labels) or not np.array_equal(table["label"].to_numpy(), labels):
         raise DataError(f"{samples}: sample table does not match {arrays} (re-run preprocess)")
     return ProcessedData(images=images, labels=labels, samples=table, num_classes=num_classes, norm=norm,
-                         class_names=names)
+                         class_names=names, kind=kind, pad_token_id=pad)
+
+
+def infer_kind(images: np.ndarray, path: str | Path = "<arrays>") -> str:
+    """The kind of a processed file written before ``kind`` was stored (MedMNIST, MNIST, CIFAR:
+    integer [N, C, H, W] -> ``image``; Synthetic(alpha, beta): float [N, d] -> ``vector``). Such
+    files keep their bytes: only folder data sets store ``kind``. Raises DataError otherwise."""
+    if images.ndim == 4 and not np.issubdtype(images.dtype, np.floating):
+        return "image"
+    if images.ndim == 2 and np.issubdtype(images.dtype, np.floating):
+        return "vector"
+    raise DataError(f"{path}: images {images.dtype} {list(images.shape)} without a stored kind; expected uint8 "
+                    "[N, C, H, W] or float [N, d] (re-run preprocess)")
+
+
+#: per folder kind: (ndim of the sample array, dtype stored)
+FOLDER_SAMPLE_LAYOUT = {"tokens": (2, np.int64), "timeseries": (3, np.float32), "waveform": (2, np.float32)}
+
+
+def _folder_samples(x, entry: FolderDataset, n: int, origin: str) -> np.ndarray:
+    """Check a reader's (or the tokeniser's) ``x`` against ``entry.kind``: tokens integer [N, L]
+    (>= 0) -> int64; timeseries floating [N, C, T] and waveform floating [N, T] -> float32,
+    finite. Raises DataError naming ``origin``."""
+    ndim, dtype = FOLDER_SAMPLE_LAYOUT[entry.kind]
+    shape_txt = {"tokens": "[N, L]", "timeseries": "[N, C, T]", "waveform": "[N, T]"}[entry.kind]
+    if not isinstance(x, np.ndarray):
+        raise DataError(f"{origin}: the reader gave {type(x).__name__} samples; a {entry.kind} data set needs a numpy "
+                        f"array {shape_txt}")
+    if x.ndim != ndim or len(x) != n or n == 0 or 0 in x.shape:
+        raise DataError(f"{origin}: samples of shape {list(x.shape)} for {n} table rows; a {entry.kind} data set "
+                        f"needs {shape_txt} with N = {n} > 0")
+    if entry.kind == "tokens":
+        if not np.issubdtype(x.dtype, np.integer) or (x < 0).any():
+            raise DataError(f"{origin}: token ids must be non-negative integers, got dtype {x.dtype}")
+    else:
+        if not np.issubdtype(x.dtype, np.floating):
+            raise DataError(f"{origin}: {entry.kind} samples must be floating point, got dtype {x.dtype}")
+        if not np.isfinite(x).all():
+            raise DataError(f"{origin}: {entry.kind} samples hold NaN or infinite values")
+    return np.ascontiguousarray(x, dtype=dtype)
+
+
+def load_tokenizer(name: str, key: str):
+    """``transformers.AutoTokenizer.from_pretrained(name, local_files_only=<offline>)`` (offline:
+    ``HF_HUB_OFFLINE`` or ``TRANSFORMERS_OFFLINE`` set to a true value). Raises
+    MissingWeightsError naming ``key`` (``data.multimodal.<name>.tokenizer``) when it cannot be
+    loaded (offline without a cache, an unknown name, a folder without tokenizer files)."""
+    from transformers import AutoTokenizer  # noqa: PLC0415 - heavy, text data sets only
+
+    offline = any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on")
+                  for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    try:
+        return AutoTokenizer.from_pretrained(name, local_files_only=offline)
+    except (OSError, ValueError) as e:
+        where = "offline, not in the Hugging Face cache" if offline else "not found"
+        raise MissingWeightsError(f"{key}={name!r}: tokenizer {where} ({str(e).splitlines()[0]}); download it once "
+                                  "with network access or give a local folder") from None
+
+
+def preprocess_folder(manifest: str | Path, out_arrays: str | Path, out_samples: str | Path, entry: FolderDataset,
+                      options: dict | None = None, verify: str = "size") -> pd.DataFrame:
+    """The preprocess stage of a folder data set: write the compact array file and the validated
+    sample table from the official root named by the download stage's ``manifest``; return the table.
+
+    1. The manifest is checked against the root (:func:`medpfl.data.sources.check_manifest`:
+       every file at its recorded size; ``verify="sha256"`` re-hashes them all).
+    2. The reader ``medpfl.data.<entry.module>.<entry.reader>(root[, limit=options["limit"]])``
+       (:mod:`medpfl.data.multimodal`, the reader contract) gives ``x``, ``table`` and
+       ``class_names`` (which must equal the registry's).
+    3. ``tokens``: ``table["text"]`` is tokenised with the reader module's ``tokenize(texts,
+       tokenizer, max_length)``; the tokenizer is ``options["tokenizer"]`` or the registry's
+       default, loaded by the module's ``load_tokenizer(name)`` if it has one, else
+       :func:`load_tokenizer`; ``max_length`` likewise (default 512). ``pad_token_id`` is stored.
+    4. Written: ``<out_arrays>`` with ``images`` (the samples, :data:`FOLDER_SAMPLE_LAYOUT`),
+       ``labels`` int64 [N], ``num_classes``, ``class_names``, ``kind`` (and ``pad_token_id``);
+       ``<out_samples>`` with ``sample_id`` (= row, the reader's order), ``split`` (the reader's
+       official ``split`` if it gives one, else ``train`` for every row: the data set then has no
+       global test set, as Synthetic(alpha, beta)), ``index_in_split``, ``label``
+       and ``subject_id`` (int64) where the reader gives one.
+
+    ``options``: the data set's ``data.multimodal.<name>`` keys (``tokenizer``, ``max_length``,
+    ``limit``). Raises DataError naming the manifest, the file or the reader's output that is
+    wrong; MissingWeightsError for a tokenizer that cannot be loaded.
+    """
+    options = dict(options or {})
+    key = f"data.multimodal.{entry.name}"
+    root, _ = check_manifest(manifest, entry.name, verify)
+    module = importlib.import_module(f"medpfl.data.{entry.module}")
+    reader = getattr(module, entry.reader, None)
+    if reader is None:
+        raise DataError(f"medpfl.data.{entry.module} has no reader {entry.reader!r} (the registry entry of "
+                        f"{entry.name} in medpfl.data.multimodal)")
+    kwargs = {"limit": int(options["limit"])} if options.get("limit") is not None else {}
+    res = reader(root, **kwargs)
+    origin = f"{entry.module}.{entry.reader}({root})"
+    table = getattr(res, "table", None)
+    if not isinstance(table, pd.DataFrame) or "label" not in table.columns:
+        raise DataError(f"{origin}: the reader's table is missing or has no label column")
+    table = table.reset_index(drop=True)
+    n = len(table)
+    names = getattr(res, "class_names", None)
+    if names is not None and tuple(str(c) for c in names) != entry.class_names:
+        raise DataError(f"{origin}: class names {tuple(names)} differ from the registry's {entry.class_names}")
+    if "sample_id" in table.columns and not np.array_equal(table["sample_id"].to_numpy(), np.arange(n)):
+        raise DataError(f"{origin}: sample_id must be 0..N-1 in row order")
+    extra: dict[str, np.ndarray] = {}
+    x = getattr(res, "x", None)
+    if entry.kind == "tokens":
+        if "text" not in table.columns:
+            raise DataError(f"{origin}: a text data set's table needs a text column")
+        name = options.get("tokenizer") or entry.tokenizer
+        if not name:
+            raise DataError(f"{key}.tokenizer: {entry.name} has no default tokenizer; name one")
+        loader = getattr(module, "load_tokenizer", None)
+        tok = loader(name) if loader is not None else load_tokenizer(name, f"{key}.tokenizer")
+        tokenize = getattr(module, "tokenize", None)
+        if tokenize is None:
+            raise DataError(f"medpfl.data.{entry.module} has no tokenize(texts, tokenizer, max_length) function")
+        x = tokenize([str(t) for t in table["text"]], tok, int(options.get("max_length") or entry.max_length))
+        pad = getattr(tok, "pad_token_id", None)
+        if pad is None:
+            raise DataError(f"{key}.tokenizer={name!r}: the tokenizer has no pad token")
+        extra["pad_token_id"] = np.int64(pad)
+    x = _folder_samples(x, entry, n, origin)
+    labels = _labels(table["label"].to_numpy(), Path(origin), "label", n, entry.num_classes)
+    split = table["split"].astype(str).to_numpy() if "split" in table.columns else np.full(n, "train")
+    bad = sorted(set(split) - set(SPLITS))
+    if bad:
+        raise DataError(f"{origin}: split values {bad} not in {SPLITS}")
+    samples = pd.DataFrame({
+        "sample_id": np.arange(n, dtype=np.int64),
+        "split": split,
+        "index_in_split": pd.Series(split).groupby(split).cumcount().to_numpy().astype(np.int64),
+        "label": labels,
+    })
+    if "subject_id" in table.columns:
+        sub = table["subject_id"]
+        if sub.isna().any():
+            raise DataError(f"{origin}: subject_id has empty values")
+        samples["subject_id"] = sub.to_numpy().astype(np.int64)
+    samples = validate(SampleTable, samples, str(out_samples))
+    write_npz(out_arrays, {"images": x, "labels": labels, "num_classes": np.int64(entry.num_classes),
+                           "class_names": np.array(list(entry.class_names), dtype=str),
+                           "kind": np.array(entry.kind), **extra})
+    write_parquet(out_samples, samples)
+    return samples

@@ -31,7 +31,9 @@ class SampleTable(pa.DataFrameModel):
     """One row per image of a preprocessed data set (``data/processed/<name>.samples.parquet``).
 
     A generated federated set (Synthetic(alpha, beta)) adds ``natural_client`` and
-    ``natural_split``: the client and local split the generator gave each sample.
+    ``natural_split``: the client and local split the generator gave each sample. A folder data
+    set with subjects (patients: PTB-XL, ADFTD, ICBHI, SPRSound) adds ``subject_id`` (int64,
+    the source's subject/patient id), which the ``subject`` partition scheme assigns whole.
     """
 
     sample_id: Series[int] = pa.Field(ge=0, unique=True)
@@ -40,6 +42,7 @@ class SampleTable(pa.DataFrameModel):
     label: Series[int] = pa.Field(ge=0)
     natural_client: Optional[Series[int]] = pa.Field(ge=0)
     natural_split: Optional[Series[str]] = pa.Field(isin=NATURAL_SPLITS)
+    subject_id: Optional[Series[int]] = pa.Field(ge=0)
 
     class Config:
         strict = True

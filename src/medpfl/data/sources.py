@@ -15,6 +15,9 @@ read by :func:`medpfl.data.preprocess.load_cifar_archive`, no torchvision), kept
 ``data/raw/<name>.tar.gz`` (:attr:`DatasetSpec.raw_filename`);
 ``synthetic_<alpha>_<beta>`` (e.g. ``synthetic_0.5_0.5``) is the FedProx/pFedKD-WCL synthetic
 federated set (:mod:`medpfl.data.fedprox_synthetic`), whose "download" is its generation.
+The folder data sets of :data:`medpfl.data.multimodal.FOLDER_DATASETS` (``ptbxl``, ...) are not
+copied: the download stage finds their official root folder in a mirror folder, verifies it and
+writes a manifest ``data/raw/<name>.manifest.json`` (:func:`fetch_folder`).
 The download stage looks in a local mirror first (``$MEDPFL_DATA_MIRROR``, a ``:``-separated
 list of folders, or ``../shared/data/medmnist``, ``../shared/data/mnist`` and
 ``../shared/data/cifar`` beside the project when they exist) for the official file name
@@ -26,6 +29,7 @@ Errors: :class:`DataError` (a ``ValueError``) naming the file and what was expec
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import hashlib
 import importlib.util
@@ -39,8 +43,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from medpfl.config import Params, SyntheticDataset
+from medpfl.data.multimodal import FOLDER_DATASETS, FolderDataset
 from medpfl.errors import DataError  # noqa: F401  (defined in medpfl.errors; importable here as before)
-from medpfl.io import atomic_path, md5sum
+from medpfl.io import atomic_path, md5sum, read_json, write_json
 
 MIRROR_ENV = "MEDPFL_DATA_MIRROR"
 MEDMNIST_SIZES = (28, 64, 128, 224)
@@ -59,24 +64,32 @@ class DatasetSpec:
     n_channels: int  # channels of a stored sample; for a 3D volume (layout medmnist3d) its depth D
     num_classes: int
     task: str
-    layout: str = "medmnist"  # raw layout: medmnist | medmnist3d | keras | cifar10 | cifar100 | synthetic (preprocess)
+    layout: str = "medmnist"  # raw layout: medmnist | medmnist3d | keras | cifar10 | cifar100 | synthetic | folder
     norm: tuple[float, float] | None = None  # (mean, std) after ToTensor; None = Normalize(0.5, 0.5)
     alt_sha256: tuple[str, ...] = ()  # other accepted checksums of the same content (a re-packed file)
     generator: dict | None = None  # synthetic: the generator's arguments (fedprox_synthetic.SyntheticArgs)
     class_names: tuple[str, ...] | None = None  # label names by class index; None: the index is the name
     official_file: str | None = None  # the release's own file name when it is not "<name>.npz"
     md5_source: str | None = None  # where the MD5 comes from, for error messages
+    folder: FolderDataset | None = None  # layout "folder": the registry entry (medpfl.data.multimodal)
+    kind: str = "image"  # the processed samples' kind (medpfl.data.multimodal.KINDS)
 
     @property
     def filename(self) -> str:
         """The official file's name, as looked up in a mirror folder: ``<name>.npz``, or the
-        release's own name (``cifar-10-python.tar.gz``)."""
+        release's own name (``cifar-10-python.tar.gz``); for a folder data set its official root
+        folder's (first) name."""
+        if self.folder is not None:
+            return self.folder.root_names[0]
         return self.official_file or f"{self.name}.npz"
 
     @property
     def raw_filename(self) -> str:
         """The name of the verified copy under ``data/raw/``: ``<name>.npz``, or ``<name>.tar.gz``
-        for a ``.tar.gz`` release (``cifar10.tar.gz``)."""
+        for a ``.tar.gz`` release (``cifar10.tar.gz``), or the manifest ``<name>.manifest.json``
+        of a folder data set (:func:`fetch_folder`)."""
+        if self.folder is not None:
+            return f"{self.name}.manifest.json"
         return f"{self.name}.tar.gz" if self.filename.endswith(".tar.gz") else f"{self.name}.npz"
 
 
@@ -125,8 +138,8 @@ def parse_synthetic_name(name: str) -> tuple[float, float] | None:
 
 def check_dataset_name(name: str) -> None:
     """Raise DataError unless ``name`` is ``mnist``, ``cifar10``, ``cifar100``,
-    ``synthetic_<alpha>_<beta>`` or a MedMNIST stem."""
-    if name in OTHER_DATASETS or parse_synthetic_name(name) is not None:
+    ``synthetic_<alpha>_<beta>``, a folder data set (``ptbxl``, ...) or a MedMNIST stem."""
+    if name in OTHER_DATASETS or name in FOLDER_DATASETS or parse_synthetic_name(name) is not None:
         return
     if name.startswith("synthetic"):
         raise DataError(f"data set {name!r}: a synthetic set is named synthetic_<alpha>_<beta> with two "
@@ -136,13 +149,54 @@ def check_dataset_name(name: str) -> None:
 
 def dataset_job(params: Params, dataset: str) -> dict:
     """What download/preprocess need for one data set (custom entries carry path and MD5); read back
-    by :func:`dataset_spec`."""
+    by :func:`dataset_spec`. A folder data set's job adds ``folder`` (its registry entry,
+    :meth:`FolderDataset.job`: editing the entry re-runs its stages) and ``options`` (its
+    ``data.multimodal.<name>`` keys that are not at their defaults: tokenizer, max_length, limit).
+    The jobs of the other data sets are unchanged."""
     custom = params.data.custom.get(dataset)
     # the layout only when not the default: earlier data jobs keep their description
     job = {"dataset": dataset, "custom": {dataset: custom.model_dump(exclude_defaults=True)} if custom else {}}
     if parse_synthetic_name(dataset) is not None and dataset not in params.data.custom:
         job["synthetic"] = params.data.synthetic.get(dataset, SyntheticDataset()).model_dump()
+    entry = FOLDER_DATASETS.get(dataset) if dataset not in params.data.custom else None
+    if entry is not None:
+        opts = params.data.multimodal.get(dataset)
+        job["folder"] = entry.job()
+        job["options"] = opts.model_dump(exclude_defaults=True) if opts is not None else {}
     return job
+
+
+def download_job(params: Params, dataset: str) -> dict:
+    """The download rule's job: :func:`dataset_job` without a folder data set's ``options`` (a
+    smoke-run ``limit`` or another tokenizer does not re-verify the files); the same as
+    :func:`dataset_job` for every other data set."""
+    job = dataset_job(params, dataset)
+    job.pop("options", None)
+    return job
+
+
+#: The generic data code of every data set's preprocess stage (and, with ``partition.py``, of its
+#: partition stage), relative to ``src/medpfl/data``; a folder data set adds its reader module.
+GENERIC_DATA_CODE = ("preprocess.py", "sources.py", "schemas.py")
+
+
+def dataset_code_files(name: str, stage: str, custom: dict | None = None) -> list[str]:
+    """The files under ``src/medpfl/data`` whose content decides the outputs of ``stage``
+    (``preprocess`` or ``partition``) for data set ``name``: :data:`GENERIC_DATA_CODE`, plus
+    ``partition.py`` for ``partition``, plus the reader module of a folder data set
+    (``ptbxl.py``) for ``preprocess``. The Snakefile hashes them (``code`` param), so adding or
+    editing one data set's reader re-runs that data set's preprocess only (and no MedMNIST or
+    archived study). The registry file ``multimodal.py`` is not among them: its entries reach the
+    job description instead (:func:`dataset_job`). Raises ValueError for an unknown stage."""
+    if stage not in ("preprocess", "partition"):
+        raise ValueError(f"stage must be preprocess or partition, got {stage!r}")
+    files = list(GENERIC_DATA_CODE)
+    if stage == "partition":
+        files.append("partition.py")
+    entry = FOLDER_DATASETS.get(name) if not (custom and name in custom) else None
+    if stage == "preprocess" and entry is not None:
+        files.append(f"{entry.module}.py")
+    return files
 
 
 @functools.cache
@@ -201,6 +255,10 @@ def dataset_spec(name: str, custom: dict | None = None, synthetic: dict | None =
         return DatasetSpec(name=name, flag=name, size=0, url=str(Path(c["path"]).resolve().as_uri()), md5=c["md5"],
                            n_channels=int(c["n_channels"]), num_classes=int(c["num_classes"]), task="multi-class",
                            layout=str(c.get("layout") or "medmnist"))
+    if name in FOLDER_DATASETS:
+        f = FOLDER_DATASETS[name]
+        return DatasetSpec(name=name, flag=name, size=0, url=f.url, md5="", n_channels=0, num_classes=f.num_classes,
+                           task="multi-class", layout="folder", class_names=f.class_names, folder=f, kind=f.kind)
     if name in OTHER_DATASETS:
         return OTHER_DATASETS[name]
     ab = parse_synthetic_name(name)
@@ -237,12 +295,13 @@ def medmnist_class_names(info: dict) -> tuple[str, ...]:
     return tuple(str(labels[k]) for k in sorted(labels, key=int))
 
 
-DEFAULT_MIRROR_FOLDERS = ("medmnist", "mnist", "cifar")  # under ../shared/data beside the project
+DEFAULT_MIRROR_FOLDERS = ("medmnist", "mnist", "cifar", "multimodal")  # under ../shared/data beside the project
 
 
 def default_mirrors(project_root: Path | None = None) -> list[Path]:
     """Mirror folders to try, in order: ``$MEDPFL_DATA_MIRROR`` entries, else
-    ``../shared/data/{medmnist,mnist,cifar}`` beside ``project_root`` (default: the working folder)."""
+    ``../shared/data/{medmnist,mnist,cifar,multimodal}`` beside ``project_root`` (default: the
+    working folder); a folder data set's root is looked up inside them by its official names."""
     env = os.environ.get(MIRROR_ENV)
     if env is not None:
         return [Path(p) for p in env.split(os.pathsep) if p]
@@ -293,6 +352,8 @@ def fetch(name: str, out: str | Path, mirrors: list[Path] | None = None, retries
     """
     spec = dataset_spec(name, custom, synthetic)
     out = Path(out)
+    if spec.folder is not None:
+        return fetch_folder(spec.folder, out, mirrors)
     if spec.layout == "synthetic":
         from medpfl.data.fedprox_synthetic import SyntheticArgs, write_fedprox_synthetic
 
@@ -341,3 +402,169 @@ def fetch(name: str, out: str | Path, mirrors: list[Path] | None = None, retries
         f"({errors[-1] if errors else 'no attempt'}). To provide it offline, copy the official {spec.filename} "
         f"(MD5 {spec.md5}) into a folder and set {MIRROR_ENV}=/that/folder, or place it at {out}."
     )
+
+
+# ----- folder data sets: find the official root in a mirror, verify it, write a manifest --------
+MANIFEST_FORMAT = 1
+
+
+def read_checksum_file(path: Path) -> dict[str, str]:
+    """A ``sha256sum``-style file (PhysioNet's ``SHA256SUMS.txt``): one ``<64 hex> <path>`` per
+    line (one or two spaces; a ``*`` before the path marks binary mode; blank lines skipped) ->
+    ``{relative path: lower-case hex}``. Raises DataError naming the file and line for anything
+    else, or when the file is missing."""
+    if not path.is_file():
+        raise DataError(f"{path}: checksum file not found (the source publishes it at the data set root)")
+    out: dict[str, str] = {}
+    for i, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        m = re.fullmatch(r"([0-9a-fA-F]{64}) [ *]?(.+)", line.rstrip("\r"))
+        if not m:
+            raise DataError(f"{path}: line {i} is not '<sha256> <path>': {line[:80]!r}")
+        rel = m.group(2).strip()
+        out[rel[2:] if rel.startswith("./") else rel] = m.group(1).lower()
+    return out
+
+
+def _wanted(entry: FolderDataset, rel: str) -> bool:
+    return any(fnmatch.fnmatchcase(rel, pat) for pat in entry.files)
+
+
+def _literal_files(entry: FolderDataset) -> list[str]:
+    return [p for p in entry.files if not any(ch in p for ch in "*?[")]
+
+
+def find_folder_root(entry: FolderDataset, mirrors: list[Path]) -> tuple[Path | None, list[str]]:
+    """The first ``<mirror>/<root name>`` folder (mirrors in order, then :attr:`FolderDataset.root_names`
+    in order) holding every file of ``entry.files`` without wildcards. Returns ``(root or None,
+    notes)``: ``notes`` lists the folders tried, with why a candidate folder was passed over."""
+    tried = []
+    for m in mirrors:
+        for rn in entry.root_names:
+            cand = Path(m) / rn
+            if not cand.is_dir():
+                continue
+            missing = [f for f in _literal_files(entry) if not (cand / f).is_file()]
+            if not missing:
+                return cand, tried
+            tried.append(f"{cand} (lacks {', '.join(missing)})")
+        tried.append(str(m))
+    return None, tried
+
+
+def _size_sha(path: Path) -> tuple[int, str]:
+    return path.stat().st_size, _sha256(path)
+
+
+def fetch_folder(entry: FolderDataset, out: str | Path, mirrors: list[Path] | None = None) -> str:
+    """The download stage of a folder data set: find its official root folder in a mirror folder
+    (:func:`find_folder_root`; ``mirrors`` default :func:`default_mirrors`), verify the files the
+    reader needs (``entry.files``) and write the manifest ``out`` (``data/raw/<name>.manifest.json``,
+    atomically; nothing is copied). Returns where the data came from.
+
+    Verification: with ``entry.checksums`` (PTB-XL: ``SHA256SUMS.txt``), every listed file that
+    matches ``entry.files`` must exist with the published SHA-256; without, the size and SHA-256
+    of every matching file found are recorded (the source publishes none). The manifest
+    (:data:`MANIFEST_FORMAT` 1; JSON, sorted keys) holds ``dataset``, ``version``, ``url``,
+    ``access_terms``, ``root`` (absolute path), ``checksums`` (how the files were checked),
+    ``checksum_file_sha256`` (the checksum file's own SHA-256, when there is one) and ``files``
+    ``{relative path: [size in bytes, sha256]}``. An existing ``out`` whose root still has every
+    file at its recorded size is kept (the Snakefile runs this stage only without one anyway).
+
+    The pipeline never downloads a folder data set (its files are placed by the user, under the
+    source's terms); the error says where to get them.
+
+    Raises:
+        DataError: the root in no mirror folder (one line naming the official URL and access
+            terms); a needed file missing or with the wrong checksum (naming the file); a
+            malformed checksum file (naming it and the line).
+    """
+    out = Path(out)
+    if out.exists():
+        try:
+            check_manifest(out, entry.name)
+            return f"existing {out}"
+        except DataError:
+            pass  # stale: verify again
+    mirrors = default_mirrors() if mirrors is None else [Path(m) for m in mirrors]
+    root, tried = find_folder_root(entry, mirrors)
+    if root is None:
+        raise DataError(entry.missing_message(tried))
+    files: dict[str, list] = {}
+    extra: dict[str, str] = {}
+    if entry.checksums:
+        sums_path = root / entry.checksums
+        sums = read_checksum_file(sums_path)
+        wanted = sorted(rel for rel in sums if _wanted(entry, rel))
+        for pat in entry.files:
+            if not any(fnmatch.fnmatchcase(rel, pat) for rel in wanted):
+                raise DataError(f"{sums_path}: lists no file matching {pat!r}; not the official {entry.name} "
+                                f"{entry.version} release ({entry.url})")
+        for rel in wanted:
+            path = root / rel
+            if not path.is_file():
+                raise DataError(f"{path}: missing (listed in {sums_path}); the copy of {entry.name} is incomplete: get "
+                                f"the file from {entry.url}")
+            size, digest = _size_sha(path)
+            if digest != sums[rel]:
+                raise DataError(f"{path}: SHA-256 mismatch: expected {sums[rel]} ({entry.checksums}), got {digest}; "
+                                f"the file is damaged or not the official release: replace it from {entry.url}")
+            files[rel] = [size, digest]
+        how = f"{entry.checksums} (published by the source)"
+        extra["checksum_file_sha256"] = _sha256(sums_path)
+    else:
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames.sort()
+            for fn in sorted(filenames):
+                rel = (Path(dirpath) / fn).relative_to(root).as_posix()
+                if _wanted(entry, rel):
+                    files[rel] = list(_size_sha(root / rel))
+        for pat in entry.files:
+            if not any(fnmatch.fnmatchcase(rel, pat) for rel in files):
+                raise DataError(f"{root / pat}: no file matching {pat!r}; the copy of {entry.name} is incomplete: "
+                                f"get it from {entry.url}")
+        how = "recorded at download (the source publishes no checksums)"
+    manifest = {"format": MANIFEST_FORMAT, "dataset": entry.name, "version": entry.version, "url": entry.url,
+                "access_terms": entry.access_terms, "root": str(root.resolve()), "checksums": how, "files": files,
+                **extra}
+    write_json(out, manifest)
+    return f"mirror {root} ({len(files)} files verified: {how})"
+
+
+def check_manifest(path: str | Path, name: str, verify: str = "size") -> tuple[Path, dict]:
+    """Read a folder data set's manifest (:func:`fetch_folder`) and check that its root still
+    holds every listed file: at its recorded size (``verify="size"``, cheap: one ``stat`` a file),
+    or also with its recorded SHA-256 (``verify="sha256"``, reads everything). Returns ``(root,
+    manifest)``. Raises DataError naming the manifest (not one, another data set's) or the file
+    that is missing or changed."""
+    path = Path(path)
+    if verify not in ("size", "sha256"):
+        raise ValueError(f"verify must be 'size' or 'sha256', got {verify!r}")
+    try:
+        m = read_json(path)
+    except (FileNotFoundError, ValueError) as e:
+        raise DataError(f"{path}: not a readable manifest ({e}); re-run the download stage") from None
+    if not isinstance(m, dict) or m.get("format") != MANIFEST_FORMAT or not isinstance(m.get("files"), dict):
+        raise DataError(f"{path}: not a medpfl folder-data-set manifest (format {MANIFEST_FORMAT}); delete it and "
+                        "re-run the download stage")
+    if m.get("dataset") != name:
+        raise DataError(f"{path}: manifest of data set {m.get('dataset')!r}, expected {name!r}")
+    root = Path(m.get("root", ""))
+    if not root.is_dir():
+        raise DataError(f"{path}: the data set root {root} no longer exists; delete {path} and re-run the download "
+                        "stage")
+    for rel, (size, digest) in sorted(m["files"].items()):
+        p = root / rel
+        try:
+            got = p.stat().st_size
+        except FileNotFoundError:
+            raise DataError(f"{p}: missing, but listed in {path}; restore it or delete {path} and re-run the "
+                            "download stage") from None
+        if got != size:
+            raise DataError(f"{p}: {got} bytes, {size} when {path} was written; the file changed: delete {path} "
+                            "and re-run the download stage")
+        if verify == "sha256" and _sha256(p) != digest:
+            raise DataError(f"{p}: SHA-256 differs from {path} ({digest}); the file changed: delete {path} and "
+                            "re-run the download stage")
+    return root, m

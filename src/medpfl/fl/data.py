@@ -9,8 +9,11 @@ to 3 channels and/or normalise with the ImageNet per-channel statistics, for pre
 backbones. When the normalised float32 copy of the whole array takes at most
 :data:`FLOAT_CACHE_MAX_BYTES` (MNIST's 60k 28x28 images: 188 MB), it is computed once and a
 batch is a gather from it; larger arrays are normalised at batch time. Both give the same
-values bit for bit (the same float32 arithmetic on the same pixels). Float samples
-(Synthetic(alpha, beta) vectors ``[N, d]``) are used as they are. Clients are index tensors into
+values bit for bit (the same float32 arithmetic on the same pixels). The other sample kinds
+(``kind``, :data:`medpfl.data.multimodal.KINDS`) are passed through untouched: float32 vectors
+``[N, d]`` (Synthetic(alpha, beta)), int64 token ids ``[N, L]`` (never normalised or cast; the
+model derives its attention mask from ``pad_token_id``), float32 time series ``[N, C, T]`` and
+float32 waveforms ``[N, T]`` (already normalised by preprocessing). Clients are index tensors into
 those arrays (a sample may sit in several clients' tensors): local train, local test and, with
 the ``ratios`` local rule, local val. No DataLoader, no per-sample Python.
 """
@@ -25,7 +28,7 @@ import pandas as pd
 import torch
 
 from medpfl.config import TransformConfig
-from medpfl.errors import ParamsError
+from medpfl.errors import DataError, ParamsError
 
 if TYPE_CHECKING:  # an annotation only: no pandera (the pipeline's table schemas) on import
     from medpfl.data.preprocess import ProcessedData
@@ -38,6 +41,21 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 #: spend about a third of a step normalising the batch otherwise.
 FLOAT_CACHE_MAX_BYTES = 1 << 30
 
+#: per sample kind: (sample array ndim, dtype: a torch dtype, or "int" / "float" for any of them)
+SAMPLE_LAYOUT = {"image": (4, "int"), "vector": (2, "any"), "tokens": (2, torch.int64),
+                 "timeseries": (3, torch.float32), "waveform": (2, torch.float32)}
+
+
+def infer_sample_kind(images: torch.Tensor) -> str:
+    """The kind of samples built without one: integer [N, C, H, W] -> ``image``, [N, d] ->
+    ``vector`` (the only kinds before ``kind`` existed; integer vectors are normalised like
+    images, float ones passed through, as before). Raises DataError otherwise."""
+    if images.dim() == 4 and not images.is_floating_point():
+        return "image"
+    if images.dim() == 2:
+        return "vector"
+    raise DataError(f"samples {images.dtype} {list(images.shape)}: give their kind (one of {', '.join(SAMPLE_LAYOUT)})")
+
 
 @dataclass
 class FederatedData:
@@ -48,7 +66,13 @@ class FederatedData:
     each client's local train label histogram float [K, C] (client-side information).
 
     ``transform`` (None: the default input) is applied in :meth:`x`; :attr:`in_channels` is the
-    channel count the model sees (3 when a 1-channel image is repeated)."""
+    channel count the model sees (3 when a 1-channel image is repeated).
+
+    ``kind`` (None: inferred, ``image`` or ``vector``) says what ``images`` holds: ``image``
+    uint8 [N, C, H, W] (normalised in :meth:`x`), ``vector`` float32 [N, d], ``tokens`` int64
+    [N, L] (with ``pad_token_id``), ``timeseries`` float32 [N, C, T], ``waveform`` float32
+    [N, T]; all but ``image`` are passed through untouched. :attr:`sample_shape` and
+    :attr:`kind` are what :func:`medpfl.models.build_model` builds a model for."""
 
     images: torch.Tensor
     labels: torch.Tensor
@@ -66,23 +90,26 @@ class FederatedData:
     #: engine reads it, and hands a method the images alone (:class:`ServerData`) when the
     #: method declares ``uses_server_data``.
     server_idx: torch.Tensor | None = None
-    #: the sample kind (the processed file's ``kind``: "image", "vector", "tokens", "waveform",
-    #: "timeseries"); None infers it from the array: uint8 [N, C, H, W] image, float [N, d]
-    #: vector, int64 [N, L] tokens, float [N, C, T] timeseries (a waveform set must say so)
+    #: the samples' kind (None: inferred from ``images``: ``image`` or ``vector``)
     kind: str | None = None
-    #: the tokenizer's padding id of a ``tokens`` set (None: the model config's)
+    #: ``tokens`` only: the padding token id (the model's attention mask is ``x != pad_token_id``)
     pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind is None:
-            if self.images.dim() == 4:
-                self.kind = "image"
-            elif self.images.dim() == 3 and self.images.is_floating_point():
-                self.kind = "timeseries"
-            elif self.images.dim() == 2 and not self.images.is_floating_point() and self.images.dtype != torch.uint8:
-                self.kind = "tokens"
-            else:
-                self.kind = "vector"
+            self.kind = infer_sample_kind(self.images)
+        if self.kind not in SAMPLE_LAYOUT:
+            raise DataError(f"sample kind {self.kind!r} is not one of {', '.join(SAMPLE_LAYOUT)}")
+        ndim, dtype = SAMPLE_LAYOUT[self.kind]
+        fl = self.images.is_floating_point()
+        if self.images.dim() != ndim or (dtype == "int" and fl) or \
+                (isinstance(dtype, torch.dtype) and self.images.dtype != dtype):
+            want = {"int": "an integer dtype", "any": "any dtype"}.get(dtype, str(dtype))
+            raise DataError(f"{self.kind} samples must be {ndim}-D with {want}, got {self.images.dtype} "
+                            f"{list(self.images.shape)} (re-run preprocess)")
+        if (self.kind == "tokens") != (self.pad_token_id is not None):
+            raise DataError(f"pad_token_id={self.pad_token_id} with {self.kind} samples: token ids need it, other "
+                            "kinds take none")
         if self.server_idx is None:
             self.server_idx = torch.empty(0, dtype=torch.int64, device=self.device)
         if not self.client_val:
@@ -94,9 +121,9 @@ class FederatedData:
         self._expand = False
         self._imagenet = None
         if self.transform is not None:
-            if self.images.dim() != 4 or self.images.is_floating_point():
+            if self.kind != "image":
                 raise ParamsError(f"train.transform={self.transform.model_dump()}: applies to image data sets only; "
-                                  "this data set has vector samples (remove train.transform)")
+                                  f"this data set has {self.kind} samples (remove train.transform)")
             c = int(self.images.shape[1])
             self._expand = self.transform.channels == 3 and c == 1
             if self.transform.channels == 3 and c not in (1, 3):
@@ -109,9 +136,7 @@ class FederatedData:
                 self._imagenet = (torch.tensor(IMAGENET_MEAN, dtype=torch.float32, device=self.device).view(3, 1, 1),
                                   torch.tensor(IMAGENET_STD, dtype=torch.float32, device=self.device).view(3, 1, 1))
         self._float: torch.Tensor | None = None
-        if self.kind == "tokens" and self.images.is_floating_point():
-            raise ParamsError(f"a data set of kind 'tokens' needs integer token ids, its array is {self.images.dtype}")
-        if self.kind != "tokens" and not self.images.is_floating_point():
+        if self.kind in ("image", "vector") and not self.images.is_floating_point():  # uint8: normalised
             per_sample = self.images[0].numel() * (3 if self._expand else 1) if len(self.images) else 0
             if 4 * per_sample * len(self.images) <= FLOAT_CACHE_MAX_BYTES:
                 self._float = self._normalise(self.images)
@@ -129,35 +154,34 @@ class FederatedData:
     @property
     def in_channels(self) -> int:
         """Channels of a model input sample (after ``transform``); for vector samples ([N, d])
-        the number of features d."""
+        the number of features d; for the other kinds ``sample_shape[0]`` (time series: C;
+        tokens: L; waveform: T)."""
         return 3 if self._expand else int(self.images.shape[1])
 
     @property
     def image_size(self) -> int | None:
-        """The side of an image sample; None for vector samples ([N, d]), which the models
-        that flatten their input (``mlr``, ``mlp``) take."""
-        return int(self.images.shape[-1]) if self.images.dim() == 4 else None
+        """The side of an image sample; None for every other kind (vectors [N, d], which the
+        models that flatten their input (``mlr``, ``mlp``) take, tokens, time series, waveforms)."""
+        return int(self.images.shape[-1]) if self.kind == "image" else None
 
     @property
     def sample_shape(self) -> tuple[int, ...]:
-        """One model input sample's shape: (C, H, W) for images (C after ``transform``), (d,) for
-        vectors, (L,) tokens, (T,) waveforms, (C, T) time series."""
-        if self.images.dim() == 4:
-            return (self.in_channels, int(self.images.shape[2]), int(self.images.shape[3]))
+        """One model input sample's shape (after ``transform``): ``(C, H, W)`` image, ``(d,)``
+        vector, ``(L,)`` tokens, ``(C, T)`` time series, ``(T,)`` waveform."""
+        if self.kind == "image":
+            return (self.in_channels, *(int(v) for v in self.images.shape[2:]))
         return tuple(int(v) for v in self.images.shape[1:])
 
     def x(self, idx: torch.Tensor) -> torch.Tensor:
-        """Normalised float32 samples for indices ``idx`` (int64 [...]) -> [..., C, H, W] (or [..., d]
-        for vector data, already float and passed through); C is :attr:`in_channels`. Token ids
-        (kind ``tokens``) come back as they are stored, int64 [..., L], never normalised. A new
-        tensor (never a view of the stored arrays)."""
+        """Model inputs for indices ``idx`` (int64 [...]): normalised float32 [..., C, H, W]
+        images (C is :attr:`in_channels`); the other kinds as stored, untouched: float32 [..., d]
+        vectors, int64 [..., L] token ids, float32 [..., C, T] time series, float32 [..., T]
+        waveforms. A new tensor (never a view of the stored arrays)."""
         src = self._float if self._float is not None else self.images
         v = src.index_select(0, idx.reshape(-1)).view(*idx.shape, *src.shape[1:])
-        if self.kind == "tokens":
-            return v.to(torch.int64)
-        if self._float is not None or v.dtype == torch.float32:
-            return v
-        if v.is_floating_point():
+        if self._float is not None or self.kind not in ("image", "vector") or v.dtype == torch.float32:
+            return v  # token ids stay int64, never normalised; time series and waveforms as stored
+        if v.is_floating_point():  # vectors of another float dtype given directly: float32, as before
             return v.to(torch.float32)
         return self._normalise(v)
 
@@ -227,7 +251,6 @@ class FederatedData:
             client_val=split_ids["val"],
             transform=transform,
             server_idx=torch.tensor(server, device=device, dtype=torch.int64),
-            # the processed file's sample kind and padding id (issue 33's interface), where it has them
             kind=getattr(data, "kind", None),
             pad_token_id=getattr(data, "pad_token_id", None),
         )

@@ -1,0 +1,149 @@
+"""The registry of folder-type multimodal data sets (FHBench's text, EEG, ECG and audio tracks).
+
+A folder data set is distributed as a folder of files in its own official layout (GBs: PTB-XL
+about 3 GB, ADFTD 2.95 GB), so the pipeline does not copy it: the download stage finds its
+official root folder in a mirror folder, verifies it and writes a small manifest
+``data/raw/<name>.manifest.json`` (:func:`medpfl.data.sources.fetch_folder`); the preprocess
+stage calls the data set's **reader** on that root (:func:`medpfl.data.preprocess.preprocess_folder`).
+
+Each data set is one :class:`FolderDataset` entry of :data:`FOLDER_DATASETS`. The entry is plain
+data: it imports nothing (the reader module is imported only when the preprocess stage runs), so
+the Snakefile can read it cheaply. Its values reach the data job description
+(:func:`medpfl.data.sources.dataset_job`), so editing an entry re-runs that data set's stages
+through Snakemake's params trigger; the code behind a data set's preprocess stage is the generic
+files plus **its own reader module only** (:func:`medpfl.data.sources.dataset_code_files`), so
+adding a reader module re-runs nothing else. This file itself is not part of any code hash.
+
+The reader contract (``/work/helpers/interface.md``; :mod:`medpfl.data.ptbxl` is the model):
+``<module>.<reader>(root, ..., limit=None)`` returns an object with ``x`` (``None`` for text:
+``table["text"]`` holds the strings; float32 ``[N, C, T]`` for ``timeseries``; float32 ``[N, T]``
+for ``waveform``), ``table`` (pandas, one row per sample: ``sample_id``, ``label`` int64,
+optional ``subject_id`` int64, optional ``split`` in {"train", "test"}, plus the source's own ids)
+and ``class_names`` (tuple, by class index; must equal the entry's). A text module also exposes
+``tokenize(texts, tokenizer, max_length) -> int64 [N, max_length]`` (and optionally
+``load_tokenizer(name)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+#: Sample kinds of a processed data set (``kind`` in ``data/processed/<name>.npz``): MedMNIST and
+#: CIFAR are ``image`` (uint8 [N, C, H, W]), Synthetic(alpha, beta) ``vector`` (float32 [N, d]);
+#: the folder data sets are ``tokens`` (int64 [N, L]), ``timeseries`` (float32 [N, C, T]) or
+#: ``waveform`` (float32 [N, T]).
+KINDS = ("image", "vector", "tokens", "timeseries", "waveform")
+FOLDER_KINDS = ("tokens", "timeseries", "waveform")
+
+
+@dataclass(frozen=True)
+class FolderDataset:
+    """One folder-type data set: where it comes from, how to check it and how to read it.
+
+    Fields:
+      name: the data set's name in ``data.datasets`` (e.g. ``ptbxl``).
+      module: its reader module under ``medpfl.data`` (``ptbxl`` = ``src/medpfl/data/ptbxl.py``);
+        the one data-set-specific file of its preprocess code hash.
+      reader: the reader function in ``module`` (``load_ptbxl``), called as
+        ``reader(root, limit=...)`` (``limit`` only when ``data.multimodal.<name>.limit`` is set).
+      kind: ``tokens``, ``timeseries`` or ``waveform`` (:data:`FOLDER_KINDS`).
+      num_classes, class_names: the labels, by class index (the reader's must be equal).
+      url: the official address; access_terms: its licence / registration, one line.
+      version: the release read (recorded in the manifest).
+      root_names: names of the official root folder, looked up (in this order) inside each
+        mirror folder: the unpacked official archive's folder name, the ``wget -r`` path, ...
+      checksums: a file under the root that publishes per-file checksums as ``sha256sum``
+        lines (``<hex> <relative path>``; PhysioNet's ``SHA256SUMS.txt``), or None when the
+        source publishes none: the download stage then records the size and SHA-256 of every
+        needed file it finds (trust on first use; the manifest is the reference afterwards).
+      files: glob patterns (``fnmatch``, ``*`` also crosses ``/``), relative to the root, of the
+        files the reader needs; these are verified (size + SHA-256) and listed in the manifest.
+        Patterns without wildcards must exist (they identify the root).
+      fetch_hint: how a user obtains the files (printed when they are missing).
+      tokenizer: ``tokens`` only, the default tokenizer (hub id or folder), overridable by
+        ``data.multimodal.<name>.tokenizer``; max_length: the token sequence length (padded or
+        truncated), overridable by ``data.multimodal.<name>.max_length``.
+    """
+
+    name: str
+    module: str
+    reader: str
+    kind: str
+    num_classes: int
+    class_names: tuple[str, ...]
+    url: str
+    access_terms: str
+    version: str
+    root_names: tuple[str, ...]
+    checksums: str | None
+    files: tuple[str, ...]
+    fetch_hint: str = ""
+    tokenizer: str | None = None
+    max_length: int = 512
+
+    def __post_init__(self) -> None:
+        if self.kind not in FOLDER_KINDS:
+            raise ValueError(f"FolderDataset {self.name}: kind {self.kind!r} not in {FOLDER_KINDS}")
+        if len(self.class_names) != self.num_classes:
+            raise ValueError(f"FolderDataset {self.name}: {len(self.class_names)} class names for "
+                             f"{self.num_classes} classes")
+
+    def job(self) -> dict:
+        """The entry as JSON-ready values, for the data job description (so that editing the
+        entry re-runs the data set's stages)."""
+        out = asdict(self)
+        for k in ("class_names", "root_names", "files"):
+            out[k] = list(out[k])
+        return out
+
+    def missing_message(self, tried: list[str]) -> str:
+        """The one-line error when the root is in no mirror folder."""
+        return (f"{self.name}: the official root folder ({' or '.join(self.root_names)}) is in no mirror folder "
+                f"(tried: {', '.join(tried) or 'none'}). Get it from {self.url} ({self.access_terms}); "
+                f"{self.fetch_hint + '; ' if self.fetch_hint else ''}put it into a folder and set "
+                "MEDPFL_DATA_MIRROR=/that/folder (the pipeline does not download folder data sets)")
+
+
+# ------------------------------------------------------------------------------------------------
+# The registry: one entry per folder data set. Reader branches plug in by replacing their
+# placeholder below with one FolderDataset(...) entry (keep the blank lines between entries so
+# that parallel additions merge without conflicts).
+FOLDER_DATASETS: dict[str, FolderDataset] = {}
+
+# ECG: PTB-XL 1.0.3 (PhysioNet; medpfl.data.ptbxl). SHA256SUMS.txt lists every file of the release.
+FOLDER_DATASETS["ptbxl"] = FolderDataset(
+    name="ptbxl", module="ptbxl", reader="load_ptbxl", kind="timeseries", num_classes=5,
+    class_names=("NORM", "MI", "STTC", "CD", "HYP"),
+    url="https://physionet.org/content/ptb-xl/1.0.3/",
+    access_terms="open access, Creative Commons Attribution 4.0 (CC BY 4.0)",
+    version="1.0.3",
+    root_names=("ptb-xl-a-large-publicly-available-electrocardiography-dataset-1.0.3",
+                "physionet.org/files/ptb-xl/1.0.3", "ptb-xl/1.0.3", "ptb-xl-1.0.3", "ptb-xl"),
+    checksums="SHA256SUMS.txt",
+    files=("ptbxl_database.csv", "scp_statements.csv", "records500/*"),
+    fetch_hint=("the ZIP from that page unpacks to ptb-xl-a-large-publicly-available-electrocardiography-dataset-"
+                "1.0.3/, or: wget -r -N -c -np https://physionet.org/files/ptb-xl/1.0.3/ gives "
+                "physionet.org/files/ptb-xl/1.0.3/"),
+)
+
+# TEXT: Medical Abstracts (kind "tokens"; module "text"): placeholder, filled by the text branch.
+# FOLDER_DATASETS["medabstracts"] = FolderDataset(name="medabstracts", module="text", kind="tokens", ...)
+
+# TEXT: PubMed 200k RCT (kind "tokens"; module "text"): placeholder, filled by the text branch.
+# FOLDER_DATASETS["pubmed200k"] = FolderDataset(name="pubmed200k", module="text", kind="tokens", ...)
+
+# EEG: ADFTD, OpenNeuro ds004504 (kind "timeseries"; module "adftd"): placeholder, filled by the EEG branch.
+# FOLDER_DATASETS["adftd"] = FolderDataset(name="adftd", module="adftd", kind="timeseries", ...)
+
+# AUDIO: ICBHI 2017 (kind "waveform"; module "audio"): placeholder, filled by the audio branch.
+# FOLDER_DATASETS["icbhi"] = FolderDataset(name="icbhi", module="audio", kind="waveform", ...)
+
+# AUDIO: SPRSound (kind "waveform"; module "audio"): placeholder, filled by the audio branch.
+# FOLDER_DATASETS["sprsound"] = FolderDataset(name="sprsound", module="audio", kind="waveform", ...)
+
+# ------------------------------------------------------------------------------------------------
+
+
+def folder_dataset(name: str) -> FolderDataset | None:
+    """The registry entry of ``name``, or None when it is not a folder data set."""
+    return FOLDER_DATASETS.get(name)
