@@ -89,7 +89,7 @@ def test_registry_entry_and_spec():
     spec = sources.dataset_spec("ptbxl")
     assert spec.layout == "folder" and spec.raw_filename == "ptbxl.manifest.json" and spec.kind == "timeseries"
     sources.check_dataset_name("ptbxl")
-    assert set(multimodal.FOLDER_DATASETS) == {"ptbxl"}  # the other five are placeholders until their readers land
+    assert set(multimodal.FOLDER_DATASETS) == {"ptbxl", "medabstracts", "pubmed200k", "adftd", "icbhi", "sprsound"}
 
 
 def test_data_job_carries_the_entry_and_options_and_leaves_medmnist_unchanged():

@@ -1120,6 +1120,12 @@ class Params(_Strict):
     method_params: dict[str, dict[str, Any]] = Field(default_factory=dict)
     seeds: list[int] = Field(default_factory=lambda: [1], min_length=1)
     train: TrainConfig = TrainConfig()
+    dataset_train: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="per data set `train` overrides, {<data set of data.datasets>: {train keys}}: a model, batch "
+                    "size or lr per data set in one study (FHBench: RoBERTa for text, MOMENT for time series, "
+                    "wav2vec2 for audio, each with its own batch and lr); merged over `train`, under a method's "
+                    "own method_params.<name>.train (Params.run_train)")
     eval: EvalConfig = EvalConfig()
     report: ReportConfig = ReportConfig()
     mlflow: MlflowConfig = MlflowConfig()
@@ -1195,6 +1201,8 @@ class Params(_Strict):
         earlier versions, so that the description (and the report's re-run trigger) of an
         existing study is unchanged."""
         out = self.model_dump(mode="json")
+        if not out.get("dataset_train"):
+            out.pop("dataset_train", None)  # not dumped at its default: existing studies keep their description
         out["partitions"] = {name: part.job_dict() for name, part in self.partitions.items()}
         return out
 
@@ -1239,6 +1247,31 @@ class Params(_Strict):
             self.method_train(name)  # raises ParamsError naming method_params.<name>.train.<key>
         return self
 
+    @model_validator(mode="after")
+    def _dataset_train(self) -> "Params":
+        for d in self.dataset_train:
+            if d not in self.data.datasets:
+                raise ValueError(f"dataset_train.{d}: not one of data.datasets {self.data.datasets}")
+            for m in self.methods:
+                self.run_train(m, d)  # raises ParamsError naming the key
+        return self
+
+    def run_train(self, method: str, dataset: str) -> TrainConfig:
+        """The ``train`` section of one method's runs on one data set: the study's ``train``, then
+        ``dataset_train.<dataset>`` merged in, then ``method_params.<method>.train`` (as
+        :meth:`method_train`: a mapping merges key by key; a new ``model`` starts from that
+        model's defaults with the overriding section's own ``model_args``). Without a
+        ``dataset_train`` entry this is :meth:`method_train`. Raises :class:`ParamsError` naming
+        ``dataset_train.<dataset>.<key>`` or ``method_params.<method>.train.<key>``."""
+        over = self.dataset_train.get(dataset)
+        if not over:
+            return self.method_train(method)
+        base = self._merge_train(self.train, over, f"dataset_train.{dataset}")
+        m_over = (self.method_params.get(method) or {}).get("train")
+        if m_over is None:
+            return base
+        return self._merge_train(base, m_over, f"method_params.{method}.train")
+
     def method_train(self, name: str) -> TrainConfig:
         """The ``train`` section for one method's runs: the study's, with the method's own
         ``method_params.<name>.train`` overrides merged in (a mapping merges key by key; a new
@@ -1251,9 +1284,14 @@ class Params(_Strict):
         over = (self.method_params.get(name) or {}).get("train")
         if over is None:
             return self.train
+        return self._merge_train(self.train, over, f"method_params.{name}.train")
+
+    def _merge_train(self, train: TrainConfig, over: Any, where: str) -> TrainConfig:
+        """``train`` with the overrides ``over`` merged in (the rules of :meth:`method_train`);
+        ``where`` names the overriding section in errors."""
         if not isinstance(over, dict):
-            raise ParamsError(f"method_params.{name}.train: expected a mapping of train keys, got {over!r}")
-        base = self.train.model_dump()
+            raise ParamsError(f"{where}: expected a mapping of train keys, got {over!r}")
+        base = train.model_dump()
         if "model" in over and over["model"] != base.get("model"):
             base.pop("model_args", None)
         if "server_optimizer" in over and _server_optimizer_name(over["server_optimizer"]) not in (
@@ -1267,7 +1305,7 @@ class Params(_Strict):
                 loc = _fmt_loc(tuple(err["loc"]))
                 msg = ("unknown key (check the spelling; see params.yaml for the allowed keys)"
                        if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, "))
-                msgs.append(f"method_params.{name}.train.{loc}: {msg}")
+                msgs.append(f"{where}.{loc}: {msg}")
             raise ParamsError("; ".join(msgs)) from None
 
     @model_validator(mode="after")
@@ -1448,7 +1486,7 @@ def train_job(params: Params, dataset: str, partition: str, method: str, seed: i
         "method_params": mcfg.model_dump(),
         "seed": seed,
         "num_clients": params.partitions[partition].num_clients,
-        "train": params.method_train(method).model_dump(),
+        "train": params.run_train(method, dataset).model_dump(),
         "eval": params.eval.model_dump(),
     }
 

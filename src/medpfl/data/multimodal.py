@@ -126,20 +126,86 @@ FOLDER_DATASETS["ptbxl"] = FolderDataset(
                 "physionet.org/files/ptb-xl/1.0.3/"),
 )
 
-# TEXT: Medical Abstracts (kind "tokens"; module "text"): placeholder, filled by the text branch.
-# FOLDER_DATASETS["medabstracts"] = FolderDataset(name="medabstracts", module="text", kind="tokens", ...)
+# TEXT: Medical Abstracts (medpfl.data.text). The repository publishes no checksums: recorded at download.
+# Class names: the corpus' medical_tc_labels.csv (the reader checks the file against these).
+FOLDER_DATASETS["medabstracts"] = FolderDataset(
+    name="medabstracts", module="text", reader="load_medical_abstracts", kind="tokens", num_classes=5,
+    class_names=("neoplasms", "digestive system diseases", "nervous system diseases", "cardiovascular diseases",
+                 "general pathological conditions"),
+    url="https://github.com/sebischair/Medical-Abstracts-TC-Corpus",
+    access_terms="CC BY-SA 3.0 (public GitHub repository, no registration)",
+    version="repository HEAD (no releases; Schopf et al. 2023)",
+    root_names=("Medical-Abstracts-TC-Corpus", "Medical-Abstracts-TC-Corpus-main"),
+    checksums=None,
+    files=("medical_tc_train.csv", "medical_tc_test.csv", "medical_tc_labels.csv"),
+    fetch_hint=("git clone https://github.com/sebischair/Medical-Abstracts-TC-Corpus (or the repository's ZIP, "
+                "which unpacks to Medical-Abstracts-TC-Corpus-main/)"),
+    tokenizer="roberta-base", max_length=512,
+)
 
-# TEXT: PubMed 200k RCT (kind "tokens"; module "text"): placeholder, filled by the text branch.
-# FOLDER_DATASETS["pubmed200k"] = FolderDataset(name="pubmed200k", module="text", kind="tokens", ...)
+# TEXT: PubMed 200k RCT (medpfl.data.text): the PubMed_200k_RCT/ folder of the repository (train.7z or an
+# unpacked train.txt, test.txt; dev.txt is not read). No published checksums: recorded at download.
+FOLDER_DATASETS["pubmed200k"] = FolderDataset(
+    name="pubmed200k", module="text", reader="load_pubmed_rct", kind="tokens", num_classes=5,
+    class_names=("BACKGROUND", "CONCLUSIONS", "METHODS", "OBJECTIVE", "RESULTS"),
+    url="https://github.com/Franck-Dernoncourt/pubmed-rct",
+    access_terms=("no licence file; built on the MEDLINE/PubMed 2016 baseline (NLM terms); public GitHub "
+                  "repository, no registration"),
+    version="repository HEAD (no releases; Dernoncourt & Lee 2017)",
+    root_names=("pubmed-rct/PubMed_200k_RCT", "pubmed-rct-master/PubMed_200k_RCT", "PubMed_200k_RCT"),
+    checksums=None,
+    files=("train.*", "test.txt"),
+    fetch_hint=("git clone https://github.com/Franck-Dernoncourt/pubmed-rct (its PubMed_200k_RCT/ folder holds "
+                "train.7z, dev.txt, test.txt; train.7z is read as a stream, unpacking it is not needed)"),
+    tokenizer="roberta-base", max_length=512,
+)
 
-# EEG: ADFTD, OpenNeuro ds004504 (kind "timeseries"; module "adftd"): placeholder, filled by the EEG branch.
-# FOLDER_DATASETS["adftd"] = FolderDataset(name="adftd", module="adftd", kind="timeseries", ...)
+# EEG: ADFTD, OpenNeuro ds004504 1.0.8 (medpfl.data.adftd). The per-file keys of the derivatives
+# (medpfl.data.adftd_checksums) are not a file under the root, so the download stage records sizes and
+# SHA-256 at download; medpfl.data.adftd.verify_recording checks a copy against the published keys.
+FOLDER_DATASETS["adftd"] = FolderDataset(
+    name="adftd", module="adftd", reader="load_adftd", kind="timeseries", num_classes=3,
+    class_names=("C", "F", "A"),
+    url="https://openneuro.org/datasets/ds004504/versions/1.0.8",
+    access_terms="CC0 1.0 (public domain), no registration",
+    version="1.0.8",
+    root_names=("ds004504", "ds004504-1.0.8", "ds004504-download"),
+    checksums=None,
+    files=("participants.tsv", "derivatives/sub-*/eeg/sub-*_task-eyesclosed_eeg.set"),
+    fetch_hint=("openneuro-py download --dataset=ds004504 --tag=1.0.8 gives ds004504/, or: aws s3 sync "
+                "--no-sign-request s3://openneuro.org/ds004504 ds004504/ (only participants.tsv and derivatives/ "
+                "are read)"),
+)
 
-# AUDIO: ICBHI 2017 (kind "waveform"; module "audio"): placeholder, filled by the audio branch.
-# FOLDER_DATASETS["icbhi"] = FolderDataset(name="icbhi", module="audio", kind="waveform", ...)
+# AUDIO: ICBHI 2017 (medpfl.data.audio): the official zip's ICBHI_final_database/ folder, with the official
+# split list ICBHI_challenge_train_test.txt (a separate download) put into it. No published checksums.
+FOLDER_DATASETS["icbhi"] = FolderDataset(
+    name="icbhi", module="audio", reader="load_icbhi", kind="waveform", num_classes=4,
+    class_names=("normal", "crackle", "wheeze", "both"),
+    url="https://bhichallenge.med.auth.gr/ICBHI_2017_Challenge",
+    access_terms=("free for research use (Rocha et al. 2019, cite the database paper); whether the site asks for "
+                  "registration was not verified"),
+    version="2017 (ICBHI_final_database)",
+    root_names=("ICBHI_final_database", "ICBHI_2017/ICBHI_final_database"),
+    checksums=None,
+    files=("ICBHI_challenge_train_test.txt", "*.wav", "*.txt"),
+    fetch_hint=("unpack ICBHI_final_database.zip (gives ICBHI_final_database/) and put "
+                "ICBHI_challenge_train_test.txt from the same page into that folder"),
+)
 
-# AUDIO: SPRSound (kind "waveform"; module "audio"): placeholder, filled by the audio branch.
-# FOLDER_DATASETS["sprsound"] = FolderDataset(name="sprsound", module="audio", kind="waveform", ...)
+# AUDIO: SPRSound (medpfl.data.audio): the BioCAS2022/ folder of the repository. No published checksums.
+FOLDER_DATASETS["sprsound"] = FolderDataset(
+    name="sprsound", module="audio", reader="load_sprsound", kind="waveform", num_classes=7,
+    class_names=("Normal", "Fine Crackle", "Wheeze", "Coarse Crackle", "Wheeze+Crackle", "Rhonchi", "Stridor"),
+    url="https://github.com/SJTU-YONGFU-RESEARCH-GRP/SPRSound",
+    access_terms=("public GitHub repository, no licence file found (terms unverified); cite Zhang et al. 2022, "
+                  "IEEE TBioCAS 16(5)"),
+    version="BioCAS2022 (repository HEAD)",
+    root_names=("SPRSound/BioCAS2022", "SPRSound-main/BioCAS2022", "BioCAS2022"),
+    checksums=None,
+    files=("train2022_wav/*.wav", "train2022_json/*.json", "test2022_wav/*.wav", "test2022_json/*.json"),
+    fetch_hint="git clone https://github.com/SJTU-YONGFU-RESEARCH-GRP/SPRSound (its BioCAS2022/ folder is read)",
+)
 
 # ------------------------------------------------------------------------------------------------
 
