@@ -27,8 +27,12 @@ SHARED_BLOOD = REPO.parent / "shared" / "data" / "medmnist" / "bloodmnist.npz"
 
 @pytest.fixture(autouse=True)
 def _isolated_tracking(tmp_path, monkeypatch):
-    """Never write mlflow.db/mlruns.db into the repository from a test."""
+    """Never write mlflow.db/mlruns.db into the repository from a test; never download a folder
+    data set (MEDPFL_OFFLINE; tests/test_folder_download.py lifts it for its local server) nor
+    write a download folder into the repository."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlruns.db")
+    monkeypatch.setenv("MEDPFL_OFFLINE", "1")
+    monkeypatch.setenv("MEDPFL_DATA_DOWNLOAD", str(tmp_path / "external"))
     yield
     try:
         import mlflow

@@ -2,7 +2,8 @@
 
 A folder data set is distributed as a folder of files in its own official layout (GBs: PTB-XL
 about 3 GB, ADFTD 2.95 GB), so the pipeline does not copy it: the download stage finds its
-official root folder in a mirror folder, verifies it and writes a small manifest
+official root folder in a mirror folder (or, where the network allows, downloads it into
+``data/external/<name>/``: :mod:`medpfl.data.folder_download`), verifies it and writes a small manifest
 ``data/raw/<name>.manifest.json`` (:func:`medpfl.data.sources.fetch_folder`); the preprocess
 stage calls the data set's **reader** on that root (:func:`medpfl.data.preprocess.preprocess_folder`).
 
@@ -96,12 +97,14 @@ class FolderDataset:
             out[k] = list(out[k])
         return out
 
-    def missing_message(self, tried: list[str]) -> str:
-        """The one-line error when the root is in no mirror folder."""
+    def missing_message(self, tried: list[str], why: str | None = None) -> str:
+        """The one-line error when the root is in no mirror folder and was not downloaded;
+        ``why``: why not (``MEDPFL_OFFLINE`` set, the download failed, registration required; see
+        :mod:`medpfl.data.folder_download`)."""
         return (f"{self.name}: the official root folder ({' or '.join(self.root_names)}) is in no mirror folder "
                 f"(tried: {', '.join(tried) or 'none'}). Get it from {self.url} ({self.access_terms}); "
                 f"{self.fetch_hint + '; ' if self.fetch_hint else ''}put it into a folder and set "
-                "MEDPFL_DATA_MIRROR=/that/folder (the pipeline does not download folder data sets)")
+                f"MEDPFL_DATA_MIRROR=/that/folder ({why or 'no automatic download for this data set'})")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -16,8 +16,9 @@ read by :func:`medpfl.data.preprocess.load_cifar_archive`, no torchvision), kept
 ``synthetic_<alpha>_<beta>`` (e.g. ``synthetic_0.5_0.5``) is the FedProx/pFedKD-WCL synthetic
 federated set (:mod:`medpfl.data.fedprox_synthetic`), whose "download" is its generation.
 The folder data sets of :data:`medpfl.data.multimodal.FOLDER_DATASETS` (``ptbxl``, ...) are not
-copied: the download stage finds their official root folder in a mirror folder, verifies it and
-writes a manifest ``data/raw/<name>.manifest.json`` (:func:`fetch_folder`).
+copied: the download stage finds their official root folder in a mirror folder (else downloads it
+into ``data/external/<name>/``, :mod:`medpfl.data.folder_download`), verifies it and writes a
+manifest ``data/raw/<name>.manifest.json`` (:func:`fetch_folder`).
 The download stage looks in a local mirror first (``$MEDPFL_DATA_MIRROR``, a ``:``-separated
 list of folders, or ``../shared/data/medmnist``, ``../shared/data/mnist`` and
 ``../shared/data/cifar`` beside the project when they exist) for the official file name
@@ -457,11 +458,16 @@ def _size_sha(path: Path) -> tuple[int, str]:
     return path.stat().st_size, _sha256(path)
 
 
-def fetch_folder(entry: FolderDataset, out: str | Path, mirrors: list[Path] | None = None) -> str:
+def fetch_folder(entry: FolderDataset, out: str | Path, mirrors: list[Path] | None = None,
+                 download: str | Path | None = None, **net) -> str:
     """The download stage of a folder data set: find its official root folder in a mirror folder
-    (:func:`find_folder_root`; ``mirrors`` default :func:`default_mirrors`), verify the files the
-    reader needs (``entry.files``) and write the manifest ``out`` (``data/raw/<name>.manifest.json``,
-    atomically; nothing is copied). Returns where the data came from.
+    (:func:`find_folder_root`; ``mirrors`` default :func:`default_mirrors`), else in an earlier
+    finished download, else download it from its official distribution where the network allows
+    (:mod:`medpfl.data.folder_download`; into ``download``, default
+    :func:`~medpfl.data.folder_download.download_dir`: ``$MEDPFL_DATA_DOWNLOAD/<name>`` or
+    ``data/external/<name>``; ``net``: ``retries``, ``timeout``, ``backoff``, ``workers``), verify
+    the files the reader needs (``entry.files``) and write the manifest ``out``
+    (``data/raw/<name>.manifest.json``, atomically; nothing is copied). Returns where the data came from.
 
     Verification: with ``entry.checksums`` (PTB-XL: ``SHA256SUMS.txt``), every listed file that
     matches ``entry.files`` must exist with the published SHA-256; without, the size and SHA-256
@@ -472,12 +478,13 @@ def fetch_folder(entry: FolderDataset, out: str | Path, mirrors: list[Path] | No
     ``{relative path: [size in bytes, sha256]}``. An existing ``out`` whose root still has every
     file at its recorded size is kept (the Snakefile runs this stage only without one anyway).
 
-    The pipeline never downloads a folder data set (its files are placed by the user, under the
-    source's terms); the error says where to get them.
+    ``MEDPFL_OFFLINE=1``, an unreachable network, or a data set whose terms require registration
+    (never fetched) stop with one line naming the official URL and access terms.
 
     Raises:
-        DataError: the root in no mirror folder (one line naming the official URL and access
-            terms); a needed file missing or with the wrong checksum (naming the file); a
+        DataError: the root in no mirror folder and not downloadable (one line naming the official
+            URL and access terms); a downloaded file failing its published check (naming the file
+            and URL); a needed file missing or with the wrong checksum (naming the file); a
             malformed checksum file (naming it and the line).
     """
     out = Path(out)
@@ -489,8 +496,9 @@ def fetch_folder(entry: FolderDataset, out: str | Path, mirrors: list[Path] | No
             pass  # stale: verify again
     mirrors = default_mirrors() if mirrors is None else [Path(m) for m in mirrors]
     root, tried = find_folder_root(entry, mirrors)
+    origin = "mirror"
     if root is None:
-        raise DataError(entry.missing_message(tried))
+        root, origin = _download_root(entry, tried, download, net)
     files: dict[str, list] = {}
     extra: dict[str, str] = {}
     if entry.checksums:
@@ -529,7 +537,31 @@ def fetch_folder(entry: FolderDataset, out: str | Path, mirrors: list[Path] | No
                 "access_terms": entry.access_terms, "root": str(root.resolve()), "checksums": how, "files": files,
                 **extra}
     write_json(out, manifest)
-    return f"mirror {root} ({len(files)} files verified: {how})"
+    return f"{origin} {root} ({len(files)} files verified: {how})"
+
+
+def _download_root(entry: FolderDataset, tried: list[str], download, net: dict) -> tuple[Path, str]:
+    """The root of an earlier finished download, or of a new one (:func:`fetch_folder`); raises
+    the entry's one-line :meth:`~FolderDataset.missing_message` when there is none."""
+    from medpfl.data import folder_download as fd  # noqa: PLC0415
+
+    dest = Path(download) if download is not None else fd.download_dir(entry.name)
+    done = fd.completed_root(entry, dest)
+    if done is not None:
+        return done, "download"
+    tried = [*tried, str(dest)]
+    spec = fd.DOWNLOADS.get(entry.name)
+    if spec is None:
+        raise DataError(entry.missing_message(tried))
+    if spec.registration:
+        raise DataError(entry.missing_message(tried, "registration required: never downloaded automatically"))
+    if fd.offline():
+        raise DataError(entry.missing_message(tried, f"{fd.OFFLINE_ENV} is set: nothing was downloaded"))
+    try:
+        root = fd.download_folder(entry, spec, dest, log=lambda s: print(s, flush=True), **net)
+    except fd.DownloadUnavailable as e:
+        raise DataError(entry.missing_message(tried, f"the download failed: {e}")) from None
+    return root, f"network {spec.base_url} ->"
 
 
 def check_manifest(path: str | Path, name: str, verify: str = "size") -> tuple[Path, dict]:
