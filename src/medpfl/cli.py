@@ -386,7 +386,7 @@ USER_COMMANDS = {
 #: (name, one-line help) of the stage commands: what each Snakemake rule runs.
 STAGE_COMMANDS = {
     "download": "fetch a data set's file (mirror first, then the official URL), MD5-checked; a folder data set: "
-                "verify its root in a mirror, write a manifest",
+                "verify its root in a mirror (or download it; MEDPFL_OFFLINE=1: never), write a manifest",
     "preprocess": "official .npz (or a folder data set's reader) -> compact arrays + sample table",
     "partition": "split the pool over clients; local train/test(/val) splits",
     "partition-figure": "heat map of a partition's samples per class and client",

@@ -136,10 +136,6 @@ class FolderDownload:
         """``checks`` as a dict (calling it when it is a callable)."""
         return dict(self.checks() if callable(self.checks) else self.checks)
 
-    def first_url(self) -> str:
-        """The first URL fetched (for messages)."""
-        return self.base_url + (self.archive or self.sums_file or (self.files or tuple(self.all_checks()) or ("",))[0])
-
 
 def _adftd_checks() -> dict[str, Check]:
     from medpfl.data.adftd import parse_annex_key, recording_path  # noqa: PLC0415
