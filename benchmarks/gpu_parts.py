@@ -220,7 +220,7 @@ def part2_executors(ctx, checkpoint) -> dict:
     dev = torch.device(ctx.device)
     dry = ctx.dry_run
     rounds = ctx.rounds or 3  # rounds per measured block
-    blocks = 2  # alternating blocks per executor: >= 5 measured rounds at the default 3
+    blocks = 1 if dry else 2  # alternating blocks per executor: >= 5 measured rounds at the default 3 (dry run: 1)
     epochs = 1 if dry else 5
     participations = [0.1] if dry else [0.1, 1.0]
     sweep_k = 50 if dry else 500
