@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Callable
 
-from medpfl.data.multimodal import FolderDataset
+from medpfl.data.multimodal import FolderDataset, read_checksum_file
 from medpfl.errors import DataError
 
 OFFLINE_ENV = "MEDPFL_OFFLINE"
@@ -390,7 +390,6 @@ def download_folder(entry: FolderDataset, spec: FolderDownload, dest: Path, *, r
     jobs: dict[str, Check | None] = {rel: None for rel in spec.files}
     jobs.update(spec.all_checks())
     if spec.sums_file:
-        from medpfl.data.sources import read_checksum_file  # noqa: PLC0415
 
         sums_path = root / spec.sums_file
         fetch_file(spec.base_url + spec.sums_file, sums_path, partial / (spec.sums_file + ".part"), **kw)

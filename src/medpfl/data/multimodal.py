@@ -27,7 +27,11 @@ and ``class_names`` (tuple, by class index; must equal the entry's). A text modu
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from medpfl.errors import DataError
 
 #: Sample kinds of a processed data set (``kind`` in ``data/processed/<name>.npz``): MedMNIST and
 #: CIFAR are ``image`` (uint8 [N, C, H, W]), Synthetic(alpha, beta) ``vector`` (float32 [N, d]);
@@ -216,3 +220,22 @@ FOLDER_DATASETS["sprsound"] = FolderDataset(
 def folder_dataset(name: str) -> FolderDataset | None:
     """The registry entry of ``name``, or None when it is not a folder data set."""
     return FOLDER_DATASETS.get(name)
+
+
+def read_checksum_file(path: Path) -> dict[str, str]:
+    """A ``sha256sum``-style file (PhysioNet's ``SHA256SUMS.txt``): one ``<64 hex> <path>`` per
+    line (one or two spaces; a ``*`` before the path marks binary mode; blank lines skipped) ->
+    ``{relative path: lower-case hex}``. Raises DataError naming the file and line for anything
+    else, or when the file is missing."""
+    if not path.is_file():
+        raise DataError(f"{path}: checksum file not found (the source publishes it at the data set root)")
+    out: dict[str, str] = {}
+    for i, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        m = re.fullmatch(r"([0-9a-fA-F]{64}) [ *]?(.+)", line.rstrip("\r"))
+        if not m:
+            raise DataError(f"{path}: line {i} is not '<sha256> <path>': {line[:80]!r}")
+        rel = m.group(2).strip()
+        out[rel[2:] if rel.startswith("./") else rel] = m.group(1).lower()
+    return out

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from medpfl.config import Params, SyntheticDataset
-from medpfl.data.multimodal import FOLDER_DATASETS, FolderDataset
+from medpfl.data.multimodal import FOLDER_DATASETS, FolderDataset, read_checksum_file
 from medpfl.errors import DataError  # noqa: F401  (defined in medpfl.errors; importable here as before)
 from medpfl.io import atomic_path, md5sum, read_json, write_json
 
@@ -407,25 +407,6 @@ def fetch(name: str, out: str | Path, mirrors: list[Path] | None = None, retries
 
 # ----- folder data sets: find the official root in a mirror, verify it, write a manifest --------
 MANIFEST_FORMAT = 1
-
-
-def read_checksum_file(path: Path) -> dict[str, str]:
-    """A ``sha256sum``-style file (PhysioNet's ``SHA256SUMS.txt``): one ``<64 hex> <path>`` per
-    line (one or two spaces; a ``*`` before the path marks binary mode; blank lines skipped) ->
-    ``{relative path: lower-case hex}``. Raises DataError naming the file and line for anything
-    else, or when the file is missing."""
-    if not path.is_file():
-        raise DataError(f"{path}: checksum file not found (the source publishes it at the data set root)")
-    out: dict[str, str] = {}
-    for i, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
-        if not line.strip():
-            continue
-        m = re.fullmatch(r"([0-9a-fA-F]{64}) [ *]?(.+)", line.rstrip("\r"))
-        if not m:
-            raise DataError(f"{path}: line {i} is not '<sha256> <path>': {line[:80]!r}")
-        rel = m.group(2).strip()
-        out[rel[2:] if rel.startswith("./") else rel] = m.group(1).lower()
-    return out
 
 
 def _wanted(entry: FolderDataset, rel: str) -> bool:
