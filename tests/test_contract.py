@@ -217,18 +217,25 @@ def test_stacked_equals_sequential(fed_data, method):
         return
     _, seq = cached(fed_data, method, "sequential")
     _, stk = cached(fed_data, method, "stacked")
-    pd.testing.assert_frame_equal(metrics(seq), metrics(stk))
-    torch.testing.assert_close(torch.tensor(seq.records["loss"].to_numpy()), torch.tensor(stk.records["loss"].to_numpy()),
-                               atol=1e-4, rtol=1e-4)
-    assert seq.rounds["bytes_up"].tolist() == stk.rounds["bytes_up"].tolist()
-    assert seq.rounds["bytes_down"].tolist() == stk.rounds["bytes_down"].tolist()
-    assert_trees_close(decoded(seq.server), decoded(stk.server), atol=2e-5, rtol=1e-4)
-    # client states may hold models after many more gradient evaluations than one round of FedAvg
-    # (pFedMe: 20 iterations x 5 inner steps, every client; pFedKD-WCL: 2 x 20 steps of a randomly
-    # initialised personal CNN, up to 9e-5 here, as FedAvg reaches 5.5e-5 at 4 epochs): fp32
-    # reduction-order noise grows with them (max-pool/ReLU switches at ulp-level differences). In
-    # float64 the executors agree to rounding (tests/test_pfedkdwcl.py checks it at its defaults).
-    assert_trees_close(decoded(seq.client_states), decoded(stk.client_states), atol=1.5e-4, rtol=1e-4)
+    assert_runs_agree(seq, stk)
+
+
+def assert_runs_agree(a, b, loss_atol=1e-4, server_atol=2e-5, state_atol=1.5e-4, rtol=1e-4):
+    """Two runs of one job (e.g. the two executors) agree: every record's counts equal, losses,
+    bytes, the server state and the client states within the tolerances.
+
+    Client states may hold models after many more gradient evaluations than one round of FedAvg
+    (pFedMe: 20 iterations x 5 inner steps, every client; pFedKD-WCL: 2 x 20 steps of a randomly
+    initialised personal CNN, up to 9e-5 here, as FedAvg reaches 5.5e-5 at 4 epochs): fp32
+    reduction-order noise grows with them (max-pool/ReLU switches at ulp-level differences). In
+    float64 the executors agree to rounding (tests/test_pfedkdwcl.py checks it at its defaults)."""
+    pd.testing.assert_frame_equal(metrics(a), metrics(b))  # every view, round, client and correct count
+    torch.testing.assert_close(torch.tensor(a.records["loss"].to_numpy()), torch.tensor(b.records["loss"].to_numpy()),
+                               atol=loss_atol, rtol=rtol)
+    assert a.rounds["bytes_up"].tolist() == b.rounds["bytes_up"].tolist()
+    assert a.rounds["bytes_down"].tolist() == b.rounds["bytes_down"].tolist()
+    assert_trees_close(decoded(a.server), decoded(b.server), atol=server_atol, rtol=rtol)
+    assert_trees_close(decoded(a.client_states), decoded(b.client_states), atol=state_atol, rtol=rtol)
 
 
 class _Kill(Exception):

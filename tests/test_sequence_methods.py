@@ -41,7 +41,7 @@ from medpfl.fl.engine import Engine
 from medpfl.fl.functional import make_forward, model_state, template_on
 from medpfl.models.zoo import ZOO, build_model_for_data
 from tests.conftest import assert_trees_close
-from tests.test_contract import decoded, metrics
+from tests.test_contract import assert_runs_agree, metrics
 
 pytestmark = pytest.mark.slow
 
@@ -172,13 +172,7 @@ def test_stacked_equals_sequential_on_sequence_data(setups, kind, method):
             engine_run(method, data, module, "stacked")
         return
     stk = cached(setups, kind, method, "stacked")
-    pd.testing.assert_frame_equal(metrics(seq), metrics(stk))  # every view, round, client and correct count
-    torch.testing.assert_close(torch.tensor(seq.records["loss"].to_numpy()), torch.tensor(stk.records["loss"].to_numpy()),
-                               atol=1e-4, rtol=1e-4)
-    assert seq.rounds["bytes_up"].tolist() == stk.rounds["bytes_up"].tolist()
-    assert seq.rounds["bytes_down"].tolist() == stk.rounds["bytes_down"].tolist()
-    assert_trees_close(decoded(seq.server), decoded(stk.server), atol=2e-5, rtol=1e-4)
-    assert_trees_close(decoded(seq.client_states), decoded(stk.client_states), atol=1.5e-4, rtol=1e-4)
+    assert_runs_agree(seq, stk)
 
 
 # ----------------------------------------------------------------------------- padded equals truncated

@@ -165,7 +165,16 @@ def read_parquet(path: str | Path):
 
 
 def md5sum(path: str | Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.md5()
+    """MD5 hex digest of a file, read in ``chunk``-byte pieces."""
+    return _digest(hashlib.md5(), path, chunk)
+
+
+def sha256sum(path: str | Path, chunk: int = 1 << 20) -> str:
+    """SHA-256 hex digest of a file, read in ``chunk``-byte pieces."""
+    return _digest(hashlib.sha256(), path, chunk)
+
+
+def _digest(h, path: str | Path, chunk: int) -> str:
     with open(path, "rb") as f:
         while block := f.read(chunk):
             h.update(block)

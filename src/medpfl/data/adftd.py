@@ -64,7 +64,6 @@ mismatch.
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +73,7 @@ import pandas as pd
 
 from medpfl.data.signals import left_pad, linear_resample, middle_window_starts, standardise
 from medpfl.errors import DataError
+from medpfl.io import sha256sum
 
 OFFICIAL_URL = "https://openneuro.org/datasets/ds004504/versions/1.0.8"
 ACCESS_TERMS = ("CC0 1.0 (public domain), no registration; download ds004504 1.0.8 from OpenNeuro "
@@ -306,15 +306,6 @@ def parse_annex_key(key: str) -> tuple[int, str]:
     return int(m.group(1)), m.group(2)
 
 
-def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
-    """SHA-256 hex digest of a file, read in ``chunk``-byte pieces."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def verify_file(path: str | Path, key: str) -> None:
     """Check a file's size and SHA-256 against a git-annex key; DataError naming the file if not."""
     path = Path(path)
@@ -324,7 +315,7 @@ def verify_file(path: str | Path, key: str) -> None:
     actual = path.stat().st_size
     if actual != size:
         raise DataError(f"{path}: {actual} bytes, expected {size} (git-annex key {key})")
-    got = sha256_file(path)
+    got = sha256sum(path)
     if got != digest:
         raise DataError(f"{path}: sha256 {got}, expected {digest} (git-annex key {key})")
 

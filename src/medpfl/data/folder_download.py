@@ -73,6 +73,7 @@ from typing import Callable
 
 from medpfl.data.multimodal import FolderDataset, read_checksum_file
 from medpfl.errors import DataError
+from medpfl.io import sha256sum
 
 OFFLINE_ENV = "MEDPFL_OFFLINE"
 DOWNLOAD_ENV = "MEDPFL_DATA_DOWNLOAD"
@@ -221,10 +222,9 @@ def completed_root(entry: FolderDataset, dest: Path) -> Path | None:
 def file_digest(path: Path, algo: str) -> str:
     """``sha256`` hex of the content, or ``git-blob``: SHA-1 of ``b"blob <size>\\0" + content``."""
     if algo == "sha256":
-        h = hashlib.sha256()
-    else:
-        h = hashlib.sha1()  # noqa: S324  (git's object id, not a security check)
-        h.update(f"blob {path.stat().st_size}\0".encode())
+        return sha256sum(path, CHUNK)
+    h = hashlib.sha1()  # noqa: S324  (git's object id, not a security check)
+    h.update(f"blob {path.stat().st_size}\0".encode())
     with open(path, "rb") as f:
         while block := f.read(CHUNK):
             h.update(block)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-import hashlib
 import importlib.util
 import os
 import re
@@ -46,7 +45,7 @@ from pathlib import Path
 from medpfl.config import Params, SyntheticDataset
 from medpfl.data.multimodal import FOLDER_DATASETS, FolderDataset, read_checksum_file
 from medpfl.errors import DataError  # noqa: F401  (defined in medpfl.errors; importable here as before)
-from medpfl.io import atomic_path, md5sum, read_json, write_json
+from medpfl.io import atomic_path, md5sum, read_json, sha256sum, write_json
 
 MIRROR_ENV = "MEDPFL_DATA_MIRROR"
 MEDMNIST_SIZES = (28, 64, 128, 224)
@@ -310,17 +309,9 @@ def default_mirrors(project_root: Path | None = None) -> list[Path]:
     return [root.parent / "shared" / "data" / f for f in DEFAULT_MIRROR_FOLDERS]
 
 
-def _sha256(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(chunk), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def checksum_ok(path: str | Path, spec: DatasetSpec) -> bool:
     """Whether ``path`` has the data set's MD5 (or one of its accepted SHA-256s)."""
-    return md5sum(path) == spec.md5 or bool(spec.alt_sha256 and _sha256(Path(path)) in spec.alt_sha256)
+    return md5sum(path) == spec.md5 or bool(spec.alt_sha256 and sha256sum(Path(path)) in spec.alt_sha256)
 
 
 def _verify(path: Path, spec: DatasetSpec, origin: str) -> None:
@@ -436,7 +427,7 @@ def find_folder_root(entry: FolderDataset, mirrors: list[Path]) -> tuple[Path | 
 
 
 def _size_sha(path: Path) -> tuple[int, str]:
-    return path.stat().st_size, _sha256(path)
+    return path.stat().st_size, sha256sum(path)
 
 
 def fetch_folder(entry: FolderDataset, out: str | Path, mirrors: list[Path] | None = None,
@@ -501,7 +492,7 @@ def fetch_folder(entry: FolderDataset, out: str | Path, mirrors: list[Path] | No
                                 f"the file is damaged or not the official release: replace it from {entry.url}")
             files[rel] = [size, digest]
         how = f"{entry.checksums} (published by the source)"
-        extra["checksum_file_sha256"] = _sha256(sums_path)
+        extra["checksum_file_sha256"] = sha256sum(sums_path)
     else:
         for dirpath, dirnames, filenames in os.walk(root):
             dirnames.sort()
@@ -577,7 +568,7 @@ def check_manifest(path: str | Path, name: str, verify: str = "size") -> tuple[P
         if got != size:
             raise DataError(f"{p}: {got} bytes, {size} when {path} was written; the file changed: delete {path} "
                             "and re-run the download stage")
-        if verify == "sha256" and _sha256(p) != digest:
+        if verify == "sha256" and sha256sum(p) != digest:
             raise DataError(f"{p}: SHA-256 differs from {path} ({digest}); the file changed: delete {path} and "
                             "re-run the download stage")
     return root, m
