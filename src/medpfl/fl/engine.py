@@ -231,7 +231,7 @@ class Engine:
             log.info("resuming from checkpoint %s at round %d", self.checkpoint, start)
         self._checkpointed = start if state is not None else 0  # rounds held by the checkpoint file
         clock = RoundClock(data.device)
-        schedule = torch.as_tensor(self.schedule, device=data.device)  # [R, m]: one copy per run
+        schedule = self._device_schedule()
         for r in range(start, self.train.rounds):
             t0 = clock.mark()
             clients = self.schedule[r]
@@ -353,6 +353,11 @@ class Engine:
             return
         tree, key = bad
         raise self._diverged(r, f"{tree} {key} is not finite (NaN or inf) {when}")
+
+    def _device_schedule(self) -> torch.Tensor:
+        """The client schedule on the data's device, int64 [R, m] (one host-to-device copy per
+        run): row r is round r's ``cidx``, with no copy in the round."""
+        return torch.as_tensor(self.schedule, dtype=torch.int64, device=self.data.device)
 
     def _trainer_index(self, cidx: torch.Tensor, trainers: np.ndarray, agg_pos: np.ndarray | None
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
