@@ -277,3 +277,24 @@ def test_round_on_cuda_without_host_syncs_in_the_local_steps(cuda_data, method, 
     leaves = [t for tree in (res.server, res.client_states) for t in torch.utils._pytree.tree_leaves(tree)
               if isinstance(t, torch.Tensor)]
     assert all(t.device.type == "cuda" for t in leaves)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_round_clock_times_cuda_work_without_a_synchronize():
+    """The engine's round timing on CUDA: events recorded with no host sync in between (the
+    sync debug mode raises on one), read after the work."""
+    from medpfl.fl.engine import RoundClock
+
+    clock = RoundClock(torch.device("cuda"))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        a = clock.mark()
+        x = torch.randn(2048, 2048, device="cuda")
+        for _ in range(4):
+            x = torch.tanh(x @ x)
+        b = clock.mark()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert 0.0 < clock.seconds(a, b) < 60.0

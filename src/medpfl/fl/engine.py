@@ -30,7 +30,8 @@ Divergence guard: the clients' uploads and new states (after step 2) and the ser
 step 4) must be finite; the first NaN or ±inf stops the run with :class:`DivergenceError`
 before the round is logged, recorded or checkpointed, so the last checkpoint keeps the last good
 state and no result file is written. The guard's flags stay on the device and are read with the
-round's records, after the round (one host copy for both, :class:`RoundRecords`), so the error
+round's records, after the round (one host copy for both,
+:class:`~medpfl.fl.evaluation.RoundRecords`), so the error
 comes at the end of the round, with the message an immediate check would give (the first
 non-finite leaf, after training before after the server update); an exception that the
 non-finite values cause later in the round (a method's server hook, the upload transforms'
@@ -70,7 +71,7 @@ from medpfl.fl.privacy import make_upload_pipeline
 from medpfl.fl.program import RoundInfo
 from medpfl.fl.sampling import client_schedule
 from medpfl.fl.server_opt import make_server_optimizer
-from medpfl.fl.tree import finite_flags, first_false, first_nonfinite, to_host, tree_index, tree_leaves, tree_stack
+from medpfl.fl.tree import finite_flags, first_false, to_host, tree_index, tree_leaves, tree_stack
 from medpfl.io import atomic_path
 from medpfl.models.zoo import build_model_for_data
 
@@ -342,18 +343,6 @@ class Engine:
         return RunResult(rec, rnd_log, server, algo.global_model(server) if algo.has_global_model else None,
                          cs.state_dict() if local else {}, personal, resumed_from=start if state else 0)
 
-    def _check_finite(self, r: int, when: str, trees: dict[str, Any]) -> None:
-        """The divergence guard read at once: raises :class:`DivergenceError` when a
-        floating-point leaf of ``trees`` (named, e.g. ``{"server state": server}``) holds a NaN
-        or ±inf in round ``r`` (0-based). One ``isfinite`` reduction per leaf and one host sync
-        (:func:`~medpfl.fl.tree.first_nonfinite`). The round loop uses :class:`DivergenceFlags`
-        instead, read with the records after the round."""
-        bad = first_nonfinite(trees)
-        if bad is None:
-            return
-        tree, key = bad
-        raise self._diverged(r, f"{tree} {key} is not finite (NaN or inf) {when}")
-
     def _device_schedule(self) -> torch.Tensor:
         """The client schedule on the data's device, int64 [R, m] (one host-to-device copy per
         run): row r is round r's ``cidx``, with no copy in the round."""
@@ -494,6 +483,8 @@ class DivergenceFlags:
             self._checks.append((when, labels, ok))
 
     def tensors(self) -> list[torch.Tensor]:
+        """The flags of every check with floating-point leaves, in check order (bool [n_i] each,
+        on the device of the check's first leaf)."""
         return [ok for _, _, ok in self._checks]
 
     def first_failure(self, host: list[torch.Tensor] | None = None) -> str | None:
