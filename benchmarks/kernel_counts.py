@@ -119,7 +119,7 @@ def count_round(processed, table, run: tuple, batch_size: int) -> dict:
     try:
         dev = torch.device("cpu")
         data = FederatedData.build(processed, table, dev)
-        cls, cfg = resolve_method(method, mcfg)
+        cls, cfg = resolve_method(method, {method: mcfg})
         model = build_model("cnn4", 3, 4, 28, {})
         algo = cls(cfg, make_forward(template_on(model, dev)), 4)
         train = TrainConfig(rounds=1, participation=1.0, local_epochs=1, batch_size=batch_size, checkpoint_every=0,
