@@ -52,7 +52,10 @@ which rounds to the same float32 value but for ties).
 applies ``w += c * u`` as one ``w.add_(u, alpha=c)``, as ``torch.optim.SGD`` does
 (``param.add_(grad, alpha=-lr)``, rounded once: PyTorch's vectorised CPU kernel is a fused
 multiply-add); multiplying first would round twice. SGD chains therefore give torch's SGD
-and the earlier hand-wired step bit for bit. Adam is ``torch.optim.Adam``'s arithmetic up to
+and the earlier hand-wired step bit for bit (with a clip first: within 1e-6 relative, as the
+clip's global norm is now the norm of per-leaf ``_foreach_norm`` norms, summed in another order
+than the earlier sum of squares; :func:`global_norm`). ``torch._fused_sgd_`` is not used: on the
+CPU its floats differ from these on strided leaves and on small ones (torch 2.13). Adam is ``torch.optim.Adam``'s arithmetic up to
 rounding: torch folds ``1 / (1 - b1^t)`` into the step size and applies ``addcdiv`` (its
 reading of Kingma & Ba's "efficient version"), the chain scales the bias-corrected direction
 (``tests/test_optim.py``: within 1e-6 relative).
