@@ -44,8 +44,9 @@ written into the tensor. The floats are the same: ``w += s*u`` with a 0-dim ``s`
 rounded once like ``add_(u, alpha=s)`` (CPU: bit-identical), and Adam's bias corrections are
 computed in float64 on the device from the count and rounded to float32, as the Python path's
 float64 numbers are rounded to float32 by the kernels (bit-identical on the CPU for every step
-count tested, ``tests/test_optim.py``; on CUDA float64 ``pow`` is within 2 ulp of float64,
-which rounds to the same float32 value but for ties).
+count tested, ``tests/test_optim.py``; on CUDA float64 ``pow`` is within 2 float64 ulp, which
+changes the float32 value only where the exact value lies within 2 float64 ulp of a float32
+rounding boundary).
 
 **Same floats as PyTorch.** Each transformation applies the in-place operations of
 ``torch.optim.SGD``'s single-tensor step in its order, and a chain that ends in ``scale(c)``
