@@ -25,13 +25,14 @@ SIDE_EFFECTS_ONLY = {"src/medpfl/tracking.py", "src/medpfl/progress.py", "src/me
 
 # What each stage's shell commands import (workflow/rules/*.smk: `medpfl <subcommand>`), and what
 # builds its job descriptions in the Snakefile's workflow/rules/common.smk: medpfl.config
-# (partition_job, train_job, study_dict) and medpfl.data.sources (dataset_job). common.smk reads
-# the params with medpfl.compose, which imports the method registry, the model zoo and the
-# engine's server-optimizer and upload checks: its checks only reject params, except the model
-# arguments' defaults it fills into the train job (so it is an entry of the train stage).
+# (partition_job, train_job, study_dict) and medpfl.data.run_data (data_job, over
+# medpfl.data.sources.dataset_job). common.smk reads the params with medpfl.compose, which
+# imports the method registry, the model zoo and the engine's server-optimizer and upload checks:
+# its checks only reject params, except the model arguments' defaults it fills into the train job
+# (so it is an entry of the train stage).
 STAGE_ENTRY_MODULES = {
-    "data": ["medpfl.cli", "medpfl.config", "medpfl.data.sources", "medpfl.data.preprocess",
-             "medpfl.data.partition"],
+    "data": ["medpfl.cli", "medpfl.config", "medpfl.data.sources", "medpfl.data.run_data",
+             "medpfl.data.preprocess", "medpfl.data.partition"],
     "train": ["medpfl.cli", "medpfl.compose", "medpfl.config", "medpfl.train", "medpfl.evaluate",
               "medpfl.algorithms"],
     "report": ["medpfl.cli", "medpfl.config", "medpfl.report"],

@@ -281,3 +281,51 @@ def test_a_per_round_column_no_run_has_stops_the_report_naming_the_key(tmp_path)
                                               r"metrics\.avg_local_acc\.per_round: 'local_acc_mea' is not a column"):
         build_report(dirs, tmp_path / "report", paper_table=p)
     assert not (tmp_path / "report").exists()
+
+
+def test_the_side_by_side_says_whether_the_paper_lies_inside_our_seed_interval(tmp_path):
+    """Three seeds (hand-made records): ours is the mean ± the half-width of its 95 % t interval over
+    seeds, and "paper in ours' 95 % CI" says whether the paper's value lies inside it (yes for a
+    value just inside the interval's end, no for one just outside); the rank agreement counts them.
+    With one seed the report builds as before: no interval, no such column."""
+    from scipy import stats as st
+
+    root = tmp_path / "runs"
+    dirs = [_write_run(root, m, s) for m in ("fedavg", "fedkper", "local") for s in (1, 2, 3)]
+    iv = {}
+    for m in ("fedavg", "fedkper", "local"):
+        v = [_summary(m, s)["avg_local_acc"] for s in (1, 2, 3)]
+        mean = sum(v) / 3
+        half = float(st.t.ppf(0.975, 2) * st.sem(v))
+        iv[m] = (mean, mean - half, mean + half)
+    values = {"bloodmnist": {"fedavg": {"avg_local_acc": [iv["fedavg"][2] - 1e-6, None]},     # inside, at the end
+                             "fedkper": {"avg_local_acc": [iv["fedkper"][1] - 1e-4, None]},   # just below
+                             "local": {"avg_local_acc": [iv["local"][0], 0.01]}}}              # at our mean
+    p = tmp_path / "paper.yaml"
+    p.write_text(yaml.safe_dump({"title": "T", "source": "S", "metrics": {"avg_local_acc": {"label": "Local"}},
+                                 "values": values}))
+    paths = build_report(dirs, tmp_path / "report", paper_table=p)
+    df = pd.read_csv(paths["paper_comparison_csv"]).set_index("method")
+    for m in iv:
+        assert (df.loc[m, "ours"], df.loc[m, "ours_ci_low"], df.loc[m, "ours_ci_high"]) == pytest.approx(iv[m])
+        assert df.loc[m, "ours_seeds"] == 3
+    assert df["paper_in_ci"].astype(bool).to_dict() == {"fedavg": True, "fedkper": False, "local": True}
+    md = paths["table_md"].read_text()
+    local = md.split("#### Local")[1].split("####")[0]
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in local.splitlines() if line.startswith("| ") and "Method" not in line}
+    header = [c.strip() for c in next(ln for ln in local.splitlines() if "| Method" in ln).split("|")[1:-1]]
+    col = header.index("paper in ours' 95 % CI") - 1
+    assert {m: rows[m][col] for m in iv} == {"fedavg": "yes", "fedkper": "no", "local": "yes"}
+    assert rows["fedavg"][0] == f"{iv['fedavg'][0]:.3f} ± {iv['fedavg'][2] - iv['fedavg'][0]:.3f}"
+    agreement = pd.read_csv(paths["paper_agreement_csv"]).iloc[0]
+    assert (agreement["in_ci"], agreement["with_ci"]) == (2, 3)
+    assert "| 2 of 3" in md.split("#### Rank agreement")[1]
+    assert "Paper in ours' 95 % CI" in md  # the caption defines the column
+
+    # one seed: the report builds as before, without intervals or the column
+    one = build_report([d for d in dirs if d.name == "seed1"], tmp_path / "report1", paper_table=p)
+    df1 = pd.read_csv(one["paper_comparison_csv"])
+    assert df1["paper_in_ci"].isna().all() and df1["ours_ci_low"].isna().all()
+    md1 = one["table_md"].read_text()
+    assert "paper in ours'" not in md1 and "Paper in ours'" not in md1 and "1 seed: no interval" in md1

@@ -34,6 +34,9 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdap
 from medpfl.errors import ParamsError
 
 NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$"
+#: ``<data set><GENERATED_SUFFIX><generator seed>``: the files of a generated data set drawn with
+#: another generator seed for a run seed (``data.synthetic.<name>.seed_per_run``, Params.data_name).
+GENERATED_SUFFIX = ".gen"
 
 
 class Catalogue(Protocol):
@@ -1052,6 +1055,19 @@ class SyntheticDataset(_Strict):
     num_classes: int = Field(10, ge=2)
     seed: int = Field(0, ge=0, description="numpy RandomState seed (the official code is unseeded)")
     train_fraction: float = Field(0.75, gt=0.0, lt=1.0, description="per client: first share of its permutation")
+    # Not a generator argument: which generator seed each run's data are drawn with. Excluded from
+    # the dump (the data job, medpfl.data.sources.dataset_job), so that adding the key re-runs
+    # nothing; Params.study_dict writes it where it is on.
+    seed_per_run: bool = Field(
+        False, exclude=True,
+        description="true: the run of seed s trains on its own data set, drawn with generator seed `seed + s - 1` "
+                    "(run seed 1 keeps `seed` and the data set's files; Params.data_name); false: every run "
+                    "seed shares the one data set drawn with `seed`")
+
+    def generator_seed(self, run_seed: int) -> int:
+        """The generator seed of the data a run of ``run_seed`` trains on: ``seed + run_seed - 1``
+        with ``seed_per_run``, else ``seed``."""
+        return self.seed + run_seed - 1 if self.seed_per_run else self.seed
 
 
 class MultimodalDatasetConfig(_Strict):
@@ -1194,6 +1210,42 @@ class Params(_Strict):
         return [(d, name) for d in self.data.datasets for name, part in self.partitions.items()
                 if part.datasets is None or d in part.datasets]
 
+    def data_name(self, dataset: str, seed: int) -> str:
+        """The name of the data files a run of ``seed`` on ``dataset`` reads
+        (``data/processed/<name>.npz``, ``data/partitions/<name>/<partition>/``): ``dataset``
+        itself, except for a generated data set with ``data.synthetic.<dataset>.seed_per_run``
+        whose run draws with another generator seed than ``data.synthetic.<dataset>.seed``:
+        ``<dataset>.gen<generator seed>`` (e.g. ``synthetic_0.5_0.5.gen1`` for run seed 2 of a
+        data set with seed 0). Run seed 1 always reads ``dataset``'s own files."""
+        syn = self.data.synthetic.get(dataset) if dataset not in self.data.custom else None
+        if syn is None or not syn.seed_per_run or syn.generator_seed(seed) == syn.seed:
+            return dataset
+        return f"{dataset}{GENERATED_SUFFIX}{syn.generator_seed(seed)}"
+
+    def data_names(self) -> list[tuple[str, str]]:
+        """Every (data name, partition) pair the study's runs read (:meth:`data_name`): the
+        :meth:`dataset_partitions` pairs, plus one per further generator seed of a data set with
+        ``seed_per_run``; in the order of :meth:`dataset_partitions`, then of ``seeds``."""
+        out = [(self.data_name(d, s), p) for d, p in self.dataset_partitions() for s in self.seeds]
+        return list(dict.fromkeys([*self.dataset_partitions(), *out]))
+
+    def resolve_data_name(self, name: str) -> tuple[str, int | None]:
+        """``(dataset, generator seed)`` of a data name (:meth:`data_name`): ``(name, None)`` for a
+        data set's own files, ``("synthetic_0.5_0.5", 1)`` for ``synthetic_0.5_0.5.gen1``. Raises
+        :class:`ParamsError` for a ``.gen<k>`` name that no run of the study reads (a data set
+        without ``seed_per_run``, or a generator seed no seed of ``seeds`` maps to)."""
+        m = re.fullmatch(rf"(.+){re.escape(GENERATED_SUFFIX)}(\d+)", name)
+        if m is None or m.group(1) not in self.data.datasets:
+            return name, None
+        dataset, gen = m.group(1), int(m.group(2))
+        if not any(self.data_name(dataset, s) == name for s in self.seeds):
+            syn = self.data.synthetic.get(dataset)
+            why = (f"seeds {self.seeds} map to generator seeds {[syn.generator_seed(s) for s in self.seeds]}"
+                   if syn is not None and syn.seed_per_run else "it has no seed_per_run")
+            raise ParamsError(f"data.synthetic.{dataset}.seed_per_run: no run of the study reads {name!r} "
+                              f"(generator seed {gen}): {why}")
+        return dataset, gen
+
     def study_dict(self) -> dict[str, Any]:
         """The whole study as JSON-ready values, the report rule's ``params`` (logged to the
         study's MLflow parent run): ``model_dump(mode="json")`` with every partition as its
@@ -1201,6 +1253,9 @@ class Params(_Strict):
         earlier versions, so that the description (and the report's re-run trigger) of an
         existing study is unchanged."""
         out = self.model_dump(mode="json")
+        for name, syn in self.data.synthetic.items():  # excluded from the dump (the data job): written where on
+            if syn.seed_per_run:
+                out["data"]["synthetic"][name]["seed_per_run"] = True
         if not out.get("dataset_train"):
             out.pop("dataset_train", None)  # not dumped at its default: existing studies keep their description
         out["partitions"] = {name: part.job_dict() for name, part in self.partitions.items()}
@@ -1214,6 +1269,16 @@ class Params(_Strict):
         if any(s < 0 for s in v):
             raise ValueError(f"seeds must be >= 0, got {v}")
         return v
+
+    @model_validator(mode="after")
+    def _seed_per_run(self) -> "Params":
+        for name, syn in self.data.synthetic.items():
+            if syn.seed_per_run and syn.generator_seed(min(self.seeds)) < 0:
+                raise ValueError(f"data.synthetic.{name}.seed_per_run: run seed {min(self.seeds)} would draw with "
+                                 f"generator seed {syn.generator_seed(min(self.seeds))} (seed {syn.seed} + run seed "
+                                 f"- 1); a generator seed must be >= 0: use run seeds >= {1 - syn.seed} or raise "
+                                 f"data.synthetic.{name}.seed")
+        return self
 
     @model_validator(mode="after")
     def _methods(self) -> "Params":
@@ -1468,7 +1533,10 @@ def train_job(params: Params, dataset: str, partition: str, method: str, seed: i
 
     ``pool`` is present only for ``partitions.<name>.pool: all`` (no global test set), and
     ``train.transform`` and ``train.server_optimizer`` only when not the default, so the
-    descriptions of earlier jobs are unchanged. ``params`` must have been validated with a
+    descriptions of earlier jobs are unchanged. ``generator_seed`` is present only where the run
+    reads a generated data set drawn with another generator seed than the data set's own
+    (``data.synthetic.<dataset>.seed_per_run``, run seeds other than 1; :meth:`Params.data_name`):
+    the seed its data files were drawn with. ``params`` must have been validated with a
     catalogue (:func:`medpfl.compose.validate_params`): it resolves the method."""
     if partition not in params.partitions:
         raise ParamsError(f"partitions: no partition named {partition!r}")
@@ -1476,8 +1544,10 @@ def train_job(params: Params, dataset: str, partition: str, method: str, seed: i
         raise ParamsError(f"partitions.{partition}.datasets: does not include {dataset!r}")
     algo_cls, mcfg = params.method_config(method)
     pool = params.partitions[partition].pool
+    generated = params.resolve_data_name(params.data_name(dataset, seed))[1]
     return {
         **({"pool": pool} if pool != "train" else {}),
+        **({"generator_seed": generated} if generated is not None else {}),
         "study": params.study,
         "dataset": dataset,
         "partition": partition,

@@ -6,7 +6,8 @@ from pathlib import Path
 
 from medpfl.compose import validate_params
 from medpfl.config import canonical_json, partition_job, train_job
-from medpfl.data.sources import dataset_code_files, dataset_job, download_job
+from medpfl.data.run_data import data_job, raw_filename
+from medpfl.data.sources import dataset_code_files
 from medpfl.io import tree_hash
 
 PARAMS = validate_params(config, "params.yaml (with any --configfile overlays)")
@@ -143,23 +144,22 @@ def train_code_hash(wildcards):
     return tree_hash([ROOT / "src" / "medpfl" / p for p in ("fl", "models", "train.py")] + own)
 
 
+# In the data rules the {dataset} wildcard is a data name (PARAMS.data_name): a data set of
+# data.datasets, or <data set>.gen<k>, a generated data set drawn with generator seed k for the
+# runs of one seed (data.synthetic.<name>.seed_per_run; medpfl.data.run_data).
 def dataset_json(wildcards):
-    return q(dataset_job(PARAMS, wildcards.dataset))
+    return q(data_job(PARAMS, wildcards.dataset))
 
 
 def download_json(wildcards):
     """The download job: dataset_json without a folder data set's options (limit, tokenizer)."""
-    return q(download_job(PARAMS, wildcards.dataset))
+    return q(data_job(PARAMS, wildcards.dataset, download=True))
 
 
 def raw_file(wildcards):
     """data/raw/<dataset>.npz, or data/raw/<dataset>.tar.gz for a .tar.gz release (CIFAR), or
     data/raw/<dataset>.manifest.json for a folder data set (ptbxl, ...: the files stay in the mirror)."""
-    from medpfl.data.sources import dataset_spec
-
-    job = dataset_job(PARAMS, wildcards.dataset)
-    spec = dataset_spec(job["dataset"], job["custom"] or None, job.get("synthetic"))
-    return f"data/raw/{spec.raw_filename}"
+    return f"data/raw/{raw_filename(PARAMS, wildcards.dataset)}"
 
 
 def partition_json(wildcards):
@@ -168,6 +168,18 @@ def partition_json(wildcards):
 
 def train_json(wildcards):
     return q(train_job(PARAMS, wildcards.dataset, wildcards.partition, wildcards.method, int(wildcards.seed)))
+
+
+def run_data(wildcards):
+    """The data files of one training job: those of its data name (PARAMS.data_name: the data
+    set's own, or for data.synthetic.<name>.seed_per_run and a run seed other than 1, the data set
+    drawn with that seed's generator seed)."""
+    name = PARAMS.data_name(wildcards.dataset, int(wildcards.seed))
+    return {
+        "arrays": f"data/processed/{name}.npz",
+        "samples": f"data/processed/{name}.samples.parquet",
+        "table": f"data/partitions/{name}/{wildcards.partition}/partition.parquet",
+    }
 
 
 def study_json(wildcards):
@@ -188,12 +200,16 @@ def run_dirs():
 
 
 def partition_outputs(name):
-    return [f"data/partitions/{d}/{p}/{name}" for d, p in PARAMS.dataset_partitions()]
+    """``name`` (partition.parquet, ...) of every partition the runs read, on every data name
+    (PARAMS.data_names: with seed_per_run, one generated data set per generator seed)."""
+    return [f"data/partitions/{d}/{p}/{name}" for d, p in PARAMS.data_names()]
 
 
-def partition_figures():
-    """The partition heat maps, drawn outside the DVC-versioned data/partitions (data.smk)."""
-    return [f"data/figures/{d}/{p}/heatmap.png" for d, p in PARAMS.dataset_partitions()]
+def partition_figures(every_data_name=False):
+    """The partition heat maps, drawn outside the DVC-versioned data/partitions (data.smk): of the
+    data sets' own partitions (the report's), or with ``every_data_name`` of every data name."""
+    pairs = PARAMS.data_names() if every_data_name else PARAMS.dataset_partitions()
+    return [f"data/figures/{d}/{p}/heatmap.png" for d, p in pairs]
 
 
 def report_outputs():

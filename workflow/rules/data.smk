@@ -1,4 +1,6 @@
 # download -> preprocess -> partition
+# {dataset} is a data name (common.smk, PARAMS.data_name): a data set, or a generated one drawn
+# with another generator seed for one run seed (<name>.gen<k>, data.synthetic.<name>.seed_per_run).
 
 
 # On a cluster the download runs on the submitting machine (compute nodes often have no internet).
@@ -93,4 +95,4 @@ rule partition_figure:
 rule data_all:
     input:
         partition_outputs("partition.parquet"),
-        partition_figures(),
+        partition_figures(every_data_name=True),

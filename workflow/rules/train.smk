@@ -6,10 +6,10 @@
 
 
 rule train:
+    # the data set's files, or with data.synthetic.<name>.seed_per_run those of the data set drawn
+    # for this seed (run_data, common.smk); the same paths as always for every other run
     input:
-        arrays="data/processed/{dataset}.npz",
-        samples="data/processed/{dataset}.samples.parquet",
-        table="data/partitions/{dataset}/{partition}/partition.parquet",
+        unpack(run_data),
         parent=ancient("results/{study}/mlflow_parent.json"),
     output:
         records=f"{RUN_DIR}/records.parquet",

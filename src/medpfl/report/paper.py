@@ -25,6 +25,14 @@ metric the Spearman rank correlation of the two orderings (``scipy.stats.spearma
 more methods). With ``blocks`` (e.g. one block of rows per model, as a paper that compares
 methods per model), ranks and correlations are computed within each block.
 
+With two or more seeds, each row also says whether the gap is within our spread over seeds:
+``paper_in_ci`` is true where the paper's value lies inside ours' 95 % Student t confidence
+interval over seeds (``ours_ci_low <= paper <= ours_ci_high``, i.e. ``|ours − paper| <=`` the
+interval's half-width; the paper's own ± is not used), false where it lies outside (a gap that
+seed-to-seed variation of ours does not explain at that level), and empty with one seed or
+without a value on either side. The interval covers what the seeds vary: training, and with
+``data.synthetic.<name>.seed_per_run`` the generated data set too.
+
 A paper that prints one round's value (the final round's, say) compares it with one draw of a
 curve that may swing from round to round (a FedAvg global model on non-IID clients does, by
 several points). A metric with ``per_round`` (the ``round_metrics.csv`` column that tracks it per
@@ -48,7 +56,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, StrictBool, Stri
 from scipy import stats
 
 from medpfl.errors import PaperTableError  # noqa: F401  (defined in medpfl.errors; importable here as before)
-from medpfl.report.stats import CI_LEVEL, NO_INTERVAL
+from medpfl.report.stats import CI_LEVEL, NO_INTERVAL, Interval
 
 NULL = "—"
 SPREAD_COLUMNS = ("last_rounds", "last_mean", "last_std", "last_low", "last_high", "paper_in_last_range")
@@ -233,8 +241,9 @@ def compare(ours: dict[str, dict[str, dict[str, float | None]]], paper: PaperTab
     both values), ours_seeds, ours_ci_low, ours_ci_high (our seeds with a value and the 95 % CI of
     our mean; empty without ``intervals`` or with one seed), last_rounds, last_mean, last_std,
     last_low, last_high (our :class:`Spread`; empty without one) and paper_in_last_range (whether
-    last_low <= paper <= last_high; empty without a spread or a paper value), in the paper's row
-    order.
+    last_low <= paper <= last_high; empty without a spread or a paper value), then paper_in_ci
+    (whether ours_ci_low <= paper <= ours_ci_high: the paper's value inside ours' 95 % t interval
+    over seeds; empty with fewer than 2 seeds or without a paper value), in the paper's row order.
     """
     rows = []
     for group, g in ours.items():
@@ -269,25 +278,43 @@ def compare(ours: dict[str, dict[str, dict[str, float | None]]], paper: PaperTab
                              "last_low": sp.low if sp is not None else None,
                              "last_high": sp.high if sp is not None else None,
                              "paper_in_last_range": (sp.low <= pv <= sp.high) if sp is not None and pv is not None
-                             else None})
+                             else None,
+                             "paper_in_ci": paper_in_interval(iv, pv)})
     return pd.DataFrame(rows, columns=["group", "dataset", "block", "method", "metric", "label", "ours", "paper",
                                        "paper_pm", "diff", "rank_ours", "rank_paper", "ours_seeds", "ours_ci_low",
-                                       "ours_ci_high", *SPREAD_COLUMNS])
+                                       "ours_ci_high", *SPREAD_COLUMNS, "paper_in_ci"])
+
+
+def paper_in_interval(interval: Interval | None, paper: float | None) -> bool | None:
+    """Whether the paper's value lies inside ours' confidence interval over seeds (ends included):
+    ``interval.low <= paper <= interval.high``, the same as ``|ours − paper| <= half-width``. None
+    without an interval (no value, or one seed: :class:`~medpfl.report.stats.Interval` with
+    ``low = None``) or without a paper value."""
+    if interval is None or interval.low is None or paper is None or not math.isfinite(paper):
+        return None
+    return bool(interval.low <= paper <= interval.high)
 
 
 def rank_agreement(df: pd.DataFrame) -> pd.DataFrame:
     """Per (group, block, metric): methods compared, Spearman rho of our vs the paper's values (NaN
-    below 3 methods), and the mean absolute difference."""
+    below 3 methods), the mean absolute difference, and ``in_ci`` / ``with_ci``: of the methods
+    with an interval over seeds and a paper value (``paper_in_ci`` not empty, :func:`compare`), how
+    many have the paper's value inside it, and how many there are (0 and 0 with one seed)."""
     rows = []
     if "block" not in df.columns:
         df = df.assign(block="")
+    if "paper_in_ci" not in df.columns:
+        df = df.assign(paper_in_ci=None)
     for (group, block, metric), d in df.groupby(["group", "block", "metric"], sort=False):
         both = d.dropna(subset=["ours", "paper"])
         rho = float(stats.spearmanr(both["ours"], both["paper"]).statistic) if len(both) >= 3 else float("nan")
+        flags = [bool(v) for v in d["paper_in_ci"] if v is not None and not pd.isna(v)]
         rows.append({"group": group, "block": block, "metric": metric, "label": d["label"].iloc[0],
                      "methods": len(both), "spearman_rho": rho,
-                     "mean_abs_diff": float(both["diff"].abs().mean()) if len(both) else float("nan")})
-    return pd.DataFrame(rows, columns=["group", "block", "metric", "label", "methods", "spearman_rho", "mean_abs_diff"])
+                     "mean_abs_diff": float(both["diff"].abs().mean()) if len(both) else float("nan"),
+                     "in_ci": sum(flags), "with_ci": len(flags)})
+    return pd.DataFrame(rows, columns=["group", "block", "metric", "label", "methods", "spearman_rho", "mean_abs_diff",
+                                       "in_ci", "with_ci"])
 
 
 def _fmt(x, nd: int = 3, signed: bool = False) -> str:
@@ -302,8 +329,10 @@ def comparison_tables(df: pd.DataFrame, agreement: pd.DataFrame,
                       percent: bool = False) -> dict[str, list[tuple[str, pd.DataFrame]]]:
     """``{group: [(metric label, formatted table), ...]}``: per metric, one row per method in the
     paper's order with ours (± the half-width of its 95 % CI over seeds where ``df`` has one;
-    "1 seed: no interval" with one seed), the paper's (± as printed), ours − paper and both ranks;
-    then a 'Rank agreement' table. Where the metric has a round spread (``df``'s last_* columns,
+    "1 seed: no interval" with one seed), the paper's (± as printed), ours − paper, where some row
+    has an interval over seeds "paper in ours' 95 % CI" (yes / no; — with one seed: ``paper_in_ci``,
+    :func:`compare`), and both ranks; then a 'Rank agreement' table (with intervals: "paper in
+    ours' CI", k of n). Where the metric has a round spread (``df``'s last_* columns,
     :func:`compare`), two more columns after ours − paper: "ours, last N rounds: mean [min, max]"
     and "paper in that range" (yes / no). ``percent``: values, ± and differences shown × 100 with 2
     decimals (accuracy points, as a paper that prints percentages), else as fractions with 3."""
@@ -331,6 +360,9 @@ def comparison_tables(df: pd.DataFrame, agreement: pd.DataFrame,
                           if v is not None else NULL for v, pm in zip(d["paper"], d["paper_pm"])],
                 "ours − paper": [_f(v, signed=True) for v in d["diff"]],
             })
+            if "paper_in_ci" in d.columns and d["paper_in_ci"].notna().any():
+                t[f"paper in ours' {CI_LEVEL} CI"] = [NULL if v is None or pd.isna(v) else ("yes" if bool(v) else "no")
+                                                      for v in d["paper_in_ci"]]
             if "last_mean" in d.columns and d["last_mean"].notna().any():
                 n = int(d["last_rounds"].dropna().max())
                 t[f"ours, last {n} rounds: mean [min, max]"] = [
@@ -345,10 +377,13 @@ def comparison_tables(df: pd.DataFrame, agreement: pd.DataFrame,
         agree = {"Metric": a["label"]}
         if (a["block"] != "").any():
             agree["Block"] = a["block"]
-        tables.append(("Rank agreement", pd.DataFrame({
-            **agree, "methods": a["methods"].astype(str),
-            "Spearman ρ (ours vs paper)": [_fmt(v, 2) for v in a["spearman_rho"]],
-            "mean |ours − paper|": [_f(v) for v in a["mean_abs_diff"]]}).reset_index(drop=True)))
+        cols = {**agree, "methods": a["methods"].astype(str),
+                "Spearman ρ (ours vs paper)": [_fmt(v, 2) for v in a["spearman_rho"]],
+                "mean |ours − paper|": [_f(v) for v in a["mean_abs_diff"]]}
+        if "with_ci" in a.columns and (a["with_ci"] > 0).any():
+            cols["paper in ours' CI"] = [f"{int(k)} of {int(n)}" if n > 0 else NULL
+                                         for k, n in zip(a["in_ci"], a["with_ci"])]
+        tables.append(("Rank agreement", pd.DataFrame(cols).reset_index(drop=True)))
         out[str(group)] = tables
     return out
 
@@ -361,7 +396,10 @@ def paper_caption(paper: PaperTable, seeds: dict[str, int], rounds: dict[str, An
     return (f"Ours: mean over {', '.join(map(str, nseeds))} seed(s) and {', '.join(nrounds)} rounds, {how}, "
             f"± the half-width of its {CI_LEVEL} Student t confidence interval over seeds "
             f"(“{NO_INTERVAL}” with one seed); paper: {paper.source} ({paper.title}), its ± as printed (the paper's own convention). "
-            f"Ranks are among the methods{within} with "
+            + (f"“Paper in ours' {CI_LEVEL} CI”: whether the paper's value lies inside that interval over seeds "
+               f"(|ours − paper| <= its half-width): “no” marks a gap beyond what our seeds vary, “yes” one within it. "
+               if max(nseeds, default=1) >= 2 else "")
+            + f"Ranks are among the methods{within} with "
             f"both values (1 = best; higher is better for every column, BwT included). {NULL} = not applicable "
             f"(e.g. a method without a single global model has no global columns)."
             + (f" Ours, last {paper.last_rounds} rounds: the mean over seeds of each run's mean over its last "
