@@ -12,7 +12,8 @@ Counted per round in three regions: ``local training`` (the executor's ``train_c
 the download to the uploads: preparation, local steps, finish), its part ``local steps`` (every
 phase's steps: the executors' ``_run_phase``/``_run_phase_stacked`` calls; on the stacked
 executor there must be none) and ``rest of the round`` (the server side, the divergence guard,
-the evaluation and its records). ``ops_per_step``: the ops of
+the evaluation and its records); the run's set-up (``run set-up``: the initial model and the
+schedule put on the device, once per run) is counted apart. ``ops_per_step``: the ops of
 ``local training`` divided by the local steps taken (stacked: steps of the stacked loop, every
 client at once; sequential: the sum over clients). The counts are deterministic.
 
@@ -86,10 +87,18 @@ def count_round(processed, table, method: str, executor: str, batch_size: int) -
                 return fn(*a, **kw)
         return wrapped
 
+    def setup(fn):
+        def wrapped(*a, **kw):
+            with mode.region("run set-up"):
+                return fn(*a, **kw)
+        return wrapped
+
     patches = [(SequentialExecutor, "autocast", autocast), (SequentialExecutor, "train_clients", region(real_train)),
                (stacked.StackedExecutor, "train_clients", region(real_stacked)),
                (SequentialExecutor, "_run_phase", phase(SequentialExecutor._run_phase)),
-               (stacked.StackedExecutor, "_run_phase_stacked", phase(stacked.StackedExecutor._run_phase_stacked))]
+               (stacked.StackedExecutor, "_run_phase_stacked", phase(stacked.StackedExecutor._run_phase_stacked)),
+               (Engine, "initial_params", setup(Engine.initial_params)),
+               (Engine, "_device_schedule", setup(Engine._device_schedule))]
     saved = [(o, n, o.__dict__[n] if n in o.__dict__ else getattr(o, n)) for o, n, _ in patches]
     for o, n, f in patches:
         setattr(o, n, f)
@@ -117,7 +126,8 @@ def count_round(processed, table, method: str, executor: str, batch_size: int) -
     ops_train = mode.ops["local training"] + mode.ops["local steps"]
     return {"method": method, "executor": executor, "local_steps": steps["n"],
             "syncs_local_training": train_syncs, "syncs_in_local_steps": sum(syncs.get("local steps", {}).values()),
-            "syncs_rest_of_round": sum(syncs.get("rest of the round", {}).values()), "syncs_by_region_and_kind": syncs,
+            "syncs_rest_of_round": sum(syncs.get("rest of the round", {}).values()),
+            "syncs_run_setup": sum(syncs.get("run set-up", {}).values()), "syncs_by_region_and_kind": syncs,
             "ops_local_training": ops_train, "ops_per_step": round(ops_train / max(1, steps["n"]), 1),
             "ops_rest_of_round": mode.ops["rest of the round"],
             "sync_sites": [{"region": r, "kind": k, "site": site, "count": n}
@@ -142,7 +152,7 @@ def main() -> None:
                 r = count_round(processed, table, method, executor, args.batch_size)
                 print(f"{args.label:8s} {method:8s} {executor:10s} steps {r['local_steps']:4d}  syncs: training "
                       f"{r['syncs_local_training']:4d} (in local steps {r['syncs_in_local_steps']}), rest of the round "
-                      f"{r['syncs_rest_of_round']:4d}; ops/step {r['ops_per_step']}")
+                      f"{r['syncs_rest_of_round']:4d} (run set-up {r['syncs_run_setup']}); ops/step {r['ops_per_step']}")
                 rows.append(r)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     entry = {"label": args.label, "commit": commit, "torch": torch.__version__, "clients": args.clients,

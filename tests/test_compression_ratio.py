@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from medpfl.data.schemas import RoundLog, validate
-from medpfl.fl.payload import LowRank, payload_dense_nbytes, payload_nbytes, svd_encode
+from medpfl.fl.payload import LowRank, payload_dense_nbytes, payload_nbytes, payload_nbytes_parts, svd_encode
 from medpfl.fl.tree import tree_stack
 from medpfl.metrics import summarize_run
 from medpfl.train import round_scalars
@@ -31,6 +31,12 @@ def test_dense_bytes_of_a_known_payload_by_hand():
     dense = 2 * (60 * 4 + 72 * 4 + 6 * 4) + 2 * 4  # the full tensors; the bias and n as they are
     assert (sent, dense) == (544, 1112)
     assert payload_nbytes(up) == sent and payload_dense_nbytes(up) == dense
+    # the same count in two parts, as the engine takes it: the shapes' bytes on the host, the
+    # factors' bytes (which depend on the ranks) as a tensor read with the round's records
+    known, ranked = payload_nbytes_parts(up)
+    assert known == 2 * (8 + 8 + 6 * 4) + 2 * 4 and ranked.dtype == torch.int64 and ranked.dim() == 0
+    assert known + int(ranked) == sent
+    assert payload_nbytes_parts({"b": torch.zeros(2, 6)}) == (48, None)  # no LowRank leaf: no tensor part
     # uncompressed leaves count as they are: a payload without LowRank leaves is its own dense size
     plain = {"model": {"w": torch.zeros(2, 6, 10), "b": torch.zeros(2, 6)}, "num_samples": torch.zeros(2)}
     assert payload_dense_nbytes(plain) == payload_nbytes(plain) == (120 + 12 + 2) * 4

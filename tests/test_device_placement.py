@@ -27,6 +27,7 @@ On a CUDA GPU (``gpu`` marker, skipped without one) the same rounds run on ``cud
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 
 import pandas as pd
 import pytest
@@ -157,6 +158,101 @@ def test_a_host_read_in_the_stacked_step_loop_fails(emu_data, monkeypatch):
     assert mode.syncs[("outside", "value read on the host")] > 0
 
 
+# ----- host synchronisations of a round outside local training --------------------------------
+def _syncs_per_round(emu_data, method, executor, monkeypatch, rounds=2):
+    """Host syncs of each round of a ``rounds``-round run on the emulated device outside the
+    executor's local training (the server side, the divergence guard, the evaluation and its
+    records, the byte counts): a list per round of Counter ``{(kind, file): n}``. The run's
+    set-up (initial model, schedule on the device) is not in any round: a round's count is the
+    difference between two of the engine's end-of-round callbacks."""
+    from medpfl.fl.executors import SequentialExecutor
+
+    mode = EmulatedDevice(record_sites=True)
+    monkeypatch.setattr(stacked, "local_steps", lambda: mode.no_sync("local steps"))
+    for cls in (SequentialExecutor, stacked.StackedExecutor):
+        real = cls.__dict__["train_clients"]
+
+        def wrapped(*a, _real=real, **kw):
+            with mode.region("local training"):
+                return _real(*a, **kw)
+
+        monkeypatch.setattr(cls, "train_clients", wrapped)
+    marks: list[Counter] = []
+    model = model_for(method)
+    with mode:
+        algo = make_algo(method, model=model, model_args=ZOO[model].tiny_args, device=emu_data.device,
+                         **COST.get(method, {}))
+        train = _train(model=model, model_args=ZOO[model].tiny_args, rounds=rounds, checkpoint_every=0)
+        eng = Engine(algo, emu_data, train, EvalConfig(every=1), seed=1, executor_kind=executor, fingerprint="syncs",
+                     callbacks=[lambda r, row, recs: marks.append(Counter(mode.sites))])
+        eng.run()
+    per_round = []
+    for a, b in zip(marks, marks[1:]):
+        c: Counter = Counter()
+        for (region, kind, site), n in (b - a).items():
+            if region == "outside":
+                c[(kind, site.split(":")[0])] += n  # by file: several lines of one file add up
+        per_round.append(c)
+    return per_round
+
+
+#: what a round may synchronise outside local training: the one host copy of its records, the
+#: divergence guard's flags and the low-rank byte counts (fl/tree.py to_host)
+ONE_COPY = Counter({("device-to-host copy", "src/medpfl/fl/tree.py"): 1})
+
+
+@pytest.mark.parametrize("method, executor", [("fedavg", "stacked"), ("fedavg", "sequential"), ("fedmic", "stacked"),
+                                              ("ditto", "stacked")])
+def test_a_round_copies_its_records_to_the_host_once(emu_data, method, executor, monkeypatch):
+    """Outside local training a round (the second of the run: no set-up in it; evaluated, with
+    val splits) makes one host synchronisation: one device-to-host copy of every record count,
+    the guard's flags and (FedMIC) the ranks its bytes_up and bytes_down depend on. A per-view
+    ``.cpu()`` of the counts, a read of the guard's flags, an ``int()`` of a rank, a
+    ``repeat_interleave`` without ``output_size`` or an index tensor copied per round fails here."""
+    per_round = _syncs_per_round(emu_data, method, executor, monkeypatch)
+    assert per_round and all(c == ONE_COPY for c in per_round), per_round
+
+
+def test_a_guard_read_in_the_round_is_counted(emu_data, monkeypatch):
+    """The count above sees an immediate read of the guard's flags (the defect it guards
+    against): the check's reads come back, each a value read on the host."""
+    import medpfl.fl.engine as engine
+    from medpfl.fl.tree import first_false
+
+    real = engine.DivergenceFlags.check
+
+    def read_now(self, when, trees):
+        real(self, when, trees)
+        first_false(*self._checks[-1][1:])
+
+    monkeypatch.setattr(engine.DivergenceFlags, "check", read_now)
+    per_round = _syncs_per_round(emu_data, "fedavg", "stacked", monkeypatch)
+    assert per_round[0][("value read on the host", "src/medpfl/fl/tree.py")] == 2, per_round
+
+
+def test_to_host_copies_every_tensor_bit_for_bit_in_one_copy():
+    """:func:`medpfl.fl.tree.to_host`: one device-to-host copy for tensors of several dtypes and
+    shapes (a NaN with a payload, -0.0, bools, int64 beyond 2**53, a 0-dim tensor, an empty
+    one); CPU tensors pass through without a copy."""
+    from medpfl.fl.tree import to_host
+
+    nan = torch.tensor([0x7FF8_0000_DEAD_BEEF], dtype=torch.int64).view(torch.float64)
+    host = [torch.cat([nan, torch.tensor([-0.0, 1.5])]), torch.tensor([True, False, True]),
+            torch.tensor([2**60 + 1, -3]), torch.tensor(7.25, dtype=torch.float32), torch.zeros(0, 4),
+            torch.arange(6, dtype=torch.int16).view(2, 3)]
+    cpu_one = torch.ones(2)
+    mode = EmulatedDevice()
+    with mode:
+        dev = [t.to(register_device()) for t in host]
+        mode.syncs.clear()
+        out = to_host(dev + [cpu_one])
+    assert sum(mode.syncs.values()) == 1 and mode.syncs[("outside", "device-to-host copy")] == 1
+    assert out[-1] is cpu_one
+    for got, want in zip(out, host):
+        assert got.device.type == "cpu" and got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
+
+
 # ----- on a real GPU ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cuda_data(synthetic_processed):
@@ -181,3 +277,24 @@ def test_round_on_cuda_without_host_syncs_in_the_local_steps(cuda_data, method, 
     leaves = [t for tree in (res.server, res.client_states) for t in torch.utils._pytree.tree_leaves(tree)
               if isinstance(t, torch.Tensor)]
     assert all(t.device.type == "cuda" for t in leaves)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_round_clock_times_cuda_work_without_a_synchronize():
+    """The engine's round timing on CUDA: events recorded with no host sync in between (the
+    sync debug mode raises on one), read after the work."""
+    from medpfl.fl.engine import RoundClock
+
+    clock = RoundClock(torch.device("cuda"))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        a = clock.mark()
+        x = torch.randn(2048, 2048, device="cuda")
+        for _ in range(4):
+            x = torch.tanh(x @ x)
+        b = clock.mark()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert 0.0 < clock.seconds(a, b) < 60.0

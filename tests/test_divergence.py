@@ -140,3 +140,28 @@ def test_other_linalg_errors_are_not_called_divergence(fed_data):
     algo.aggregate = lambda *a: torch.linalg.svd(torch.full((3, 2), float("nan")))
     with pytest.raises(DivergenceError, match=r"round 1/4 .*in the server update \(linalg.svd"):
         _engine(fed_data, algo).run()
+
+
+def test_an_error_the_nonfinite_values_cause_later_in_the_round_is_the_divergence_error(fed_data, tmp_path):
+    """The guard's flags are read after the round (with the records, one host copy); an
+    exception that the non-finite uploads cause before then (here: a server hook that refuses
+    them) gives way to the DivergenceError an immediate check would have raised, with that
+    exception as its cause; the diverged round reaches no callback and no checkpoint."""
+    algo = make_algo("fedavg")
+    real = algo.aggregate
+
+    def refuses_nan(server, uploads, clients, rnd):
+        if not all(bool(torch.isfinite(t).all()) for t in tree_leaves(uploads)):
+            raise ValueError("a NaN reached the server hook")
+        return real(server, uploads, clients, rnd)
+
+    algo.aggregate = refuses_nan
+    seen = []
+    eng = _engine(fed_data, algo, lr=1e4, checkpoint=tmp_path / "checkpoint.pt")
+    eng.callbacks.append(lambda r, row, records: seen.append(r))
+    with pytest.raises(DivergenceError) as e:
+        eng.run()
+    msg = str(e.value)
+    assert "method 'fedavg' diverged in round 1/4" in msg and "is not finite (NaN or inf) after local training" in msg
+    assert isinstance(e.value.__cause__, ValueError) and "server hook" in str(e.value.__cause__)
+    assert seen == [] and not (tmp_path / "checkpoint.pt").exists()

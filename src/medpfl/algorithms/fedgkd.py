@@ -63,25 +63,25 @@ def gkd_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, y: torch.Tensor
 def buffer_push(buffer: Params, count: torch.Tensor, model: Params, size: int) -> tuple[Params, torch.Tensor]:
     """``(buffer, count)`` after ``model`` enters the ring: row ``count % size`` is replaced (the
     oldest once ``size`` models are held). buffer: ``{name: [size, *shape]}``; count: int64 scalar,
-    the number of models pushed so far. The inputs are not modified."""
-    slot = int(count) % size
-    new = {}
-    for k, v in buffer.items():
-        v = v.clone()
-        v[slot] = model[k]
-        new[k] = v
+    the number of models pushed so far. The inputs are not modified. Device ops only (the slot
+    is an index tensor: ``count`` is never read on the host)."""
+    slot = torch.remainder(count.to(torch.int64), size).reshape(1)
+    new = {k: v.index_copy(0, slot.to(v.device), model[k].unsqueeze(0).to(v.dtype)) for k, v in buffer.items()}
     return new, count + 1
 
 
 def buffer_mean(buffer: Params, count: torch.Tensor, size: int) -> Params:
     """The parameter average of the ``min(count, size)`` models held (count >= 1); integer
-    entries (BatchNorm's ``num_batches_tracked``) are averaged and rounded."""
-    n = min(int(count), size)
-    if n < 1:
-        raise ValueError("buffer_mean: the buffer is empty")
+    entries (BatchNorm's ``num_batches_tracked``) are averaged and rounded. Device ops only:
+    weights ``1/n`` on the first ``n = min(count, size)`` rows and 0 on the rest (rows not yet
+    filled are zeros, so the sum is that of the n held models: the same float64 weight 1/n, and
+    exact zeros added last). With ``count == 0`` every weight is 0 (the mean of nothing is
+    zeros; :meth:`FedGKD.teacher` then uses the current model)."""
     dev = next(iter(buffer.values())).device
-    return weighted_average({k: v[:n] for k, v in buffer.items()}, torch.full((n,), 1.0 / n, dtype=torch.float64,
-                                                                               device=dev))
+    n = torch.clamp(count.to(device=dev, dtype=torch.int64), max=size)
+    held = torch.arange(size, device=dev) < n
+    w = held.to(torch.float64) / n.clamp(min=1).to(torch.float64)
+    return weighted_average(buffer, w)
 
 
 class FedGKD(Algorithm):
@@ -110,9 +110,10 @@ class FedGKD(Algorithm):
     def teacher(self, server: dict[str, Any]) -> Params:
         """The teacher of the next round: the average of the last <= M global models, or the
         current (initial) global model before the first aggregation."""
-        if int(server["buffer_count"]) == 0:
-            return server["model"]
-        return buffer_mean(server["buffer"], server["buffer_count"], self.cfg.buffer_size)
+        count = server["buffer_count"]
+        mean = buffer_mean(server["buffer"], count, self.cfg.buffer_size)
+        # the current model where the buffer is empty; a device-side choice (no host read of the count)
+        return {k: torch.where(count > 0, mean[k], v) for k, v in server["model"].items()}
 
     def download(self, server: dict[str, Any], clients: torch.Tensor, rnd: RoundInfo) -> Download:
         if not self._sends_teacher:

@@ -233,7 +233,8 @@ class FlowerClients:
         return {str(c): int(keep[c]) for c in clients}
 
     def train_round(self, algo: Algorithm, down: Download, trainers: np.ndarray, rnd: RoundInfo,
-                    score_val: bool) -> TrainedRound:
+                    score_val: bool, trainer_index: torch.Tensor | None = None) -> TrainedRound:
+        # trainer_index (the engine's device copy of ``trainers``) is not needed: the sites index their own states
         self._refresh()
         if self.secagg:
             return self._secure_train_round(algo, down, trainers, rnd, score_val)

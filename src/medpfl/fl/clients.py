@@ -84,7 +84,7 @@ class ClientSide(Protocol):
     def init_states(self, algo: Algorithm, params: dict, seed: int) -> None: ...
 
     def train_round(self, algo: Algorithm, down: Download, trainers: np.ndarray, rnd: RoundInfo,
-                    score_val: bool) -> TrainedRound: ...
+                    score_val: bool, trainer_index: torch.Tensor | None = None) -> TrainedRound: ...
 
     def commit(self) -> None: ...
 
@@ -151,13 +151,19 @@ class LocalClients:
         self.states = tree_stack([initial_client_state(algo, params, c, self.federation, seed) for c in self.clients])
 
     def train_round(self, algo: Algorithm, down: Download, trainers: np.ndarray, rnd: RoundInfo,
-                    score_val: bool) -> TrainedRound:
+                    score_val: bool, trainer_index: torch.Tensor | None = None) -> TrainedRound:
         """The trainers' local programs (``down``: the round's download, per-client rows in
         ``trainers`` order), then each trained model scored on its local test split (and val
-        split with ``score_val``). The new states wait for :meth:`commit` (after the engine's
-        divergence guard)."""
+        split with ``score_val``). The new states wait for :meth:`commit` (the engine commits
+        them before the server update; its divergence guard is read after the round, and a
+        diverged round ends the run). ``trainer_index``: ``trainers`` as int64 [m'] on the data's
+        device where the caller has them there (the engine: a row of its device copy of the
+        schedule), so that no host-to-device copy is made here; None: copied here."""
         ex, data = self.executor, self.data
-        rows = self._rows(trainers)
+        if trainer_index is not None and self.only is None:  # rows are client ids
+            rows = trainer_index
+        else:
+            rows = self._rows(trainers)
         models, uploads, new_states = ex.train_clients(algo, down, tree_index(self.states, rows), trainers, rnd)
         test = ex.evaluate_models(algo, models, [data.client_test[c] for c in trainers])
         val = ex.evaluate_models(algo, models, [data.client_val[c] for c in trainers]) if score_val else None

@@ -28,8 +28,21 @@ Round r:
 
 Divergence guard: the clients' uploads and new states (after step 2) and the server state (after
 step 4) must be finite; the first NaN or ±inf stops the run with :class:`DivergenceError`
-before the round is scored, logged or checkpointed, so the last checkpoint keeps the last good
-state and no result file is written.
+before the round is logged, recorded or checkpointed, so the last checkpoint keeps the last good
+state and no result file is written. The guard's flags stay on the device and are read with the
+round's records, after the round (one host copy for both,
+:class:`~medpfl.fl.evaluation.RoundRecords`), so the error
+comes at the end of the round, with the message an immediate check would give (the first
+non-finite leaf, after training before after the server update); an exception that the
+non-finite values cause later in the round (a method's server hook, the upload transforms'
+SVD) is replaced by that :class:`DivergenceError` (``raise ... from`` it).
+
+Host synchronisations of a round outside local training, on an accelerator: the records, the
+guard's flags and the ranks of low-rank payloads (``bytes_up``) come to the host in one copy
+after the round (:func:`medpfl.fl.tree.to_host`); the client index tensors are the schedule's
+rows on the device (one copy per run; one more per round only where ``training_clients``
+differs from the sampled clients); the round is timed with CUDA events on a CUDA device (read
+after that copy: no ``torch.cuda.synchronize`` in the round), with the wall clock elsewhere.
 """
 
 from __future__ import annotations
@@ -51,14 +64,14 @@ from medpfl.config import EvalConfig, TrainConfig, canonical_json
 from medpfl.errors import DivergenceError, ParamsError
 from medpfl.fl.clients import LocalClients, initial_client_state
 from medpfl.fl.data import FederatedData, ServerData
-from medpfl.fl.evaluation import eval_groups, records_from_counts
+from medpfl.fl.evaluation import RoundRecords, eval_groups
 from medpfl.fl.functional import Params, model_state
-from medpfl.fl.payload import UploadSpecError, check_upload, payload_dense_nbytes, payload_nbytes
+from medpfl.fl.payload import UploadSpecError, check_upload, payload_dense_nbytes, payload_nbytes_parts
 from medpfl.fl.privacy import make_upload_pipeline
 from medpfl.fl.program import RoundInfo
 from medpfl.fl.sampling import client_schedule
 from medpfl.fl.server_opt import make_server_optimizer
-from medpfl.fl.tree import first_nonfinite, tree_index, tree_leaves, tree_stack
+from medpfl.fl.tree import finite_flags, first_false, to_host, tree_index, tree_leaves, tree_stack
 from medpfl.io import atomic_path
 from medpfl.models.zoo import build_model_for_data
 
@@ -191,10 +204,6 @@ class Engine:
         model = build_model_for_data(self.train.model, self.data, self.train.model_args)
         return {k: v.to(self.data.device) for k, v in model_state(model).items()}
 
-    def _sync(self):
-        if self.data.device.type == "cuda":
-            torch.cuda.synchronize(self.data.device)
-
     def _is_eval_round(self, r: int) -> bool:
         return (r + 1) % self.eval.every == 0 or r == self.train.rounds - 1
 
@@ -222,15 +231,16 @@ class Engine:
             cs.load_state_dict(client_blob)
             log.info("resuming from checkpoint %s at round %d", self.checkpoint, start)
         self._checkpointed = start if state is not None else 0  # rounds held by the checkpoint file
+        clock = RoundClock(data.device)
+        schedule = self._device_schedule()
         for r in range(start, self.train.rounds):
-            self._sync()
-            t0 = time.perf_counter()
+            t0 = clock.mark()
             clients = self.schedule[r]
             m = len(clients)
-            cidx = torch.as_tensor(clients, device=data.device)
+            cidx = schedule[r]
             rnd = self.round_info(r)
             trainers, agg_pos = self._training_clients(clients, rnd)
-            tidx = torch.as_tensor(trainers, device=data.device)
+            tidx, pos_idx = self._trainer_index(cidx, trainers, agg_pos)
             down = algo.download(server, tidx, rnd)
             for leaf in tree_leaves(down.per_client):
                 if leaf.shape[:1] != (len(trainers),):
@@ -238,54 +248,76 @@ class Engine:
                                      f"its leading dim must be the {len(trainers)} clients that train this round")
             with self._linalg_guard(r, "in local training"):
                 # model selection (FHBench protocol): the same models on the val splits in evaluation rounds
-                out = cs.train_round(algo, down, trainers, rnd, score_val=self._has_val and self._is_eval_round(r))
+                out = cs.train_round(algo, down, trainers, rnd, score_val=self._has_val and self._is_eval_round(r),
+                                     trainer_index=tidx)
             uploads = out.uploads
             if len(out.missing):  # a deployment: sites that did not answer in time leave the round
                 trainers, clients, agg_pos = self._without(out.missing, trainers, clients, agg_pos)
                 m = len(clients)
                 cidx = torch.as_tensor(clients, device=data.device)
-            if out.bad_state:
+                pos_idx = None if agg_pos is None else torch.as_tensor(agg_pos, device=data.device)
+            if out.bad_state:  # a site's own finding, already on the host
                 raise self._diverged(r, f"client state {out.bad_state} is not finite (NaN or inf) after local training")
-            self._check_finite(r, "after local training", {"upload": uploads, "client state": out.states})
-            self._sync()
-            t1 = time.perf_counter()
-            new_records = records_from_counts(r, "local_after_training", trainers.tolist(), *out.test)
+            guard = DivergenceFlags()
+            guard.check("after local training", {"upload": uploads, "client state": out.states})
+            t1 = clock.mark()
+            pending = RoundRecords(r)  # the counts stay on the device until the round's one host copy
+            pending.add("local_after_training", trainers.tolist(), out.test)
             if out.val is not None:
-                new_records += records_from_counts(r, "local_after_training_val", trainers.tolist(), *out.val)
-            cs.commit()
-            if agg_pos is not None:  # only the sampled clients send (and are aggregated)
-                uploads = tree_index(uploads, torch.as_tensor(agg_pos, device=data.device))
-            if m > 0:
-                check_upload(algo.name, algo.upload_spec(), uploads, m)
-            sent = uploads  # what crosses (bytes_up), as the clients send it
-            if self.uploader is not None:  # train.upload / train.dp: transforms at the clients, decoding at the server
-                with self._linalg_guard(r, "in the upload transforms"):
-                    sent = self.uploader.send(uploads, down.shared, clients, self.seed, r)
-                check_upload(algo.name, self.uploader.wire_spec, sent, m)
-                with self._linalg_guard(r, "in the upload transforms"):
-                    uploads = self.uploader.receive(sent, down.shared, self.seed, r, m)
-            if algo.aggregates and m > 0:
-                with self._linalg_guard(r, "in the server update"):
-                    aggregated = algo.aggregate(server, uploads, cidx, rnd)
-                # train.server_optimizer: x_{t+1} from x_t and the aggregate (state in the server dict)
-                server = self.server_opt.apply(server, aggregated) if self.server_opt else aggregated
-            self._check_finite(r, "after the server update", {"server state": server})
-            if self._is_eval_round(r):
-                new_records += self._evaluate(server, r)
-            self._sync()
-            t2 = time.perf_counter()
+                pending.add("local_after_training_val", trainers.tolist(), out.val)
+            try:
+                cs.commit()
+                if pos_idx is not None:  # only the sampled clients send (and are aggregated)
+                    uploads = tree_index(uploads, pos_idx)
+                if m > 0:
+                    check_upload(algo.name, algo.upload_spec(), uploads, m)
+                sent = uploads  # what crosses (bytes_up), as the clients send it
+                if self.uploader is not None:  # train.upload / train.dp: transforms at the clients, decoding at the server
+                    with self._linalg_guard(r, "in the upload transforms"):
+                        sent = self.uploader.send(uploads, down.shared, clients, self.seed, r)
+                    check_upload(algo.name, self.uploader.wire_spec, sent, m)
+                    with self._linalg_guard(r, "in the upload transforms"):
+                        uploads = self.uploader.receive(sent, down.shared, self.seed, r, m)
+                if algo.aggregates and m > 0:
+                    with self._linalg_guard(r, "in the server update"):
+                        aggregated = algo.aggregate(server, uploads, cidx, rnd)
+                    # train.server_optimizer: x_{t+1} from x_t and the aggregate (state in the server dict)
+                    server = self.server_opt.apply(server, aggregated) if self.server_opt else aggregated
+                guard.check("after the server update", {"server state": server})
+                if self._is_eval_round(r):
+                    self._evaluate(server, r, pending)
+            except Exception as e:  # caused by a non-finite value the guard has flagged: the guard's error
+                bad = guard.first_failure()  # a host read, on this error path only
+                if bad is not None:
+                    raise self._diverged(r, bad) from e
+                raise
+            t2 = clock.mark()
+            up_known, up_ranked = payload_nbytes_parts(sent)
+            sh_known, sh_ranked = payload_nbytes_parts(down.shared)
+            pc_known, pc_ranked = payload_nbytes_parts(down.per_client)
+            ranked = [t for t in (up_ranked, sh_ranked, pc_ranked) if t is not None]
+            # the round's one host copy: records, the guard's flags, the low-rank payloads' bytes
+            host = to_host(pending.tensors() + guard.tensors() + ranked)
+            n_rec, n_flags = len(pending.tensors()), len(guard.tensors())
+            bad = guard.first_failure(host[n_rec:n_rec + n_flags])
+            if bad is not None:  # nothing of this round is recorded, logged or checkpointed
+                raise self._diverged(r, bad)
+            new_records = pending.rows(host[:n_rec])
+            ranked_host = iter(host[n_rec + n_flags:])
+            up_bytes, sh_bytes, pc_bytes = (known + (0 if rk is None else int(next(ranked_host)))
+                                            for known, rk in ((up_known, up_ranked), (sh_known, sh_ranked),
+                                                              (pc_known, pc_ranked)))
             row = {
                 "round": r,
                 "lr": rnd.lr,
                 "sampled_clients": " ".join(map(str, self.schedule[r].tolist())),
                 "num_sampled": len(self.schedule[r]),
-                "bytes_up": payload_nbytes(sent),
+                "bytes_up": up_bytes,
                 "bytes_up_dense": payload_dense_nbytes(sent),  # the same uploads uncompressed
-                "bytes_down": (k if down.to_all else len(trainers)) * payload_nbytes(down.shared)
-                + payload_nbytes(down.per_client),
-                "train_seconds": t1 - t0,
-                "eval_seconds": t2 - t1,
-                "round_seconds": t2 - t0,
+                "bytes_down": (k if down.to_all else len(trainers)) * sh_bytes + pc_bytes,
+                "train_seconds": clock.seconds(t0, t1),
+                "eval_seconds": clock.seconds(t1, t2),
+                "round_seconds": clock.seconds(t0, t2),
                 "peak_memory_bytes": peak_memory_bytes(data.device),
             }
             if self.uploader is not None and self.uploader.dp is not None:  # DP-FedAvg: ε at δ after r + 1 rounds
@@ -311,16 +343,20 @@ class Engine:
         return RunResult(rec, rnd_log, server, algo.global_model(server) if algo.has_global_model else None,
                          cs.state_dict() if local else {}, personal, resumed_from=start if state else 0)
 
-    def _check_finite(self, r: int, when: str, trees: dict[str, Any]) -> None:
-        """The divergence guard: raises :class:`DivergenceError` when a floating-point leaf of
-        ``trees`` (named, e.g. ``{"server state": server}``) holds a NaN or ±inf in round ``r``
-        (0-based). One ``isfinite`` reduction per leaf and one host sync per call
-        (:func:`~medpfl.fl.tree.first_nonfinite`)."""
-        bad = first_nonfinite(trees)
-        if bad is None:
-            return
-        tree, key = bad
-        raise self._diverged(r, f"{tree} {key} is not finite (NaN or inf) {when}")
+    def _device_schedule(self) -> torch.Tensor:
+        """The client schedule on the data's device, int64 [R, m] (one host-to-device copy per
+        run): row r is round r's ``cidx``, with no copy in the round."""
+        return torch.as_tensor(self.schedule, dtype=torch.int64, device=self.data.device)
+
+    def _trainer_index(self, cidx: torch.Tensor, trainers: np.ndarray, agg_pos: np.ndarray | None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(trainers, positions of the sampled among them)`` as int64 tensors on the data's
+        device: the sampled clients' row of the schedule ``cidx`` (int64 [m], already there) and
+        None where only the sampled clients train; else one host-to-device copy for both."""
+        if agg_pos is None:
+            return cidx, None
+        both = torch.as_tensor(np.concatenate([trainers, agg_pos]), dtype=torch.int64, device=self.data.device)
+        return both[:len(trainers)], both[len(trainers):]
 
     @contextlib.contextmanager
     def _linalg_guard(self, r: int, when: str) -> Iterator[None]:
@@ -378,18 +414,18 @@ class Engine:
         sampled = sampled[~np.isin(sampled, gone)]
         return trainers, sampled, (None if agg_pos is None else np.searchsorted(trainers, sampled))
 
-    def _evaluate(self, server: dict[str, Any], r: int) -> list[dict]:
-        """The evaluation round's records: the global model on the global test set here (where
-        this process has one) and, on the client side, on every local test (and val) split;
-        every personalized model on its local test (and val) split, and on the global test set
-        at the last round of a method without a global model."""
+    def _evaluate(self, server: dict[str, Any], r: int, out: RoundRecords) -> None:
+        """The evaluation round's counts, added to ``out`` (on the device; records after the
+        round): the global model on the global test set here (where this process has one) and,
+        on the client side, on every local test (and val) split; every personalized model on its
+        local test (and val) split, and on the global test set at the last round of a method
+        without a global model."""
         algo, data, bs, cs = self.algo, self.data, self.eval.batch_size, self.clients
-        out: list[dict] = []
         k = self.federation.num_clients
         clients = list(range(k))
         gm = algo.global_model(server) if algo.has_global_model else None
         if gm is not None and len(data.global_test) > 0:  # a federated data set may have none (Synthetic)
-            out += records_from_counts(r, "global_test", [-1], *eval_groups(algo.predict, gm, data, [data.global_test], bs))
+            out.add("global_test", [-1], eval_groups(algo.predict, gm, data, [data.global_test], bs))
         res = cs.evaluate(algo, server, self.round_info(r), global_model=gm, personalized=algo.personalized,
                           val=self._has_val,
                           personalized_global=(r == self.train.rounds - 1 and not algo.has_global_model
@@ -402,8 +438,7 @@ class Engine:
                              ("personalized_on_val", res.personalized_val),
                              ("local_on_global_test", res.personalized_global)):
             if counts is not None:
-                out += records_from_counts(r, view, clients, *counts)
-        return out
+                out.add(view, clients, counts)
 
     # ----- checkpoints ------------------------------------------------------------------------
     def _save_checkpoint(self, server, client_states, records, rounds, next_round: int) -> None:
@@ -427,6 +462,69 @@ class Engine:
                         self.checkpoint)
             return None
         return (blob["server"], blob["client_states"], blob["records"], blob["rounds"], int(blob["next_round"]))
+
+
+class DivergenceFlags:
+    """The divergence guard's finite-checks of one round, kept on the device until the round's
+    host copy (:func:`medpfl.fl.tree.finite_flags`).
+
+    :meth:`check` adds the flags of named trees at a point of the round (``when``: "after local
+    training", "after the server update"); :meth:`tensors` are what the host copy takes (bool
+    [n] per check with floating-point leaves); :meth:`first_failure` gives the message of the
+    first non-finite leaf, in check order, as an immediate check would have raised it."""
+
+    def __init__(self):
+        self._checks: list[tuple[str, list[tuple[str, str]], torch.Tensor]] = []
+
+    def check(self, when: str, trees: dict[str, Any]) -> None:
+        """Flags of every floating-point leaf of ``trees`` (device ops only, nothing read)."""
+        labels, ok = finite_flags(trees)
+        if ok is not None:
+            self._checks.append((when, labels, ok))
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The flags of every check with floating-point leaves, in check order (bool [n_i] each,
+        on the device of the check's first leaf)."""
+        return [ok for _, _, ok in self._checks]
+
+    def first_failure(self, host: list[torch.Tensor] | None = None) -> str | None:
+        """``"<tree> <key path> is not finite (NaN or inf) <when>"`` of the first non-finite leaf,
+        None when every leaf is finite. ``host``: the host copies of :meth:`tensors` (same order);
+        None reads the device flags (one host read per check: for the error path)."""
+        flags = host if host is not None else self.tensors()
+        for (when, labels, _), ok in zip(self._checks, flags):
+            bad = first_false(labels, ok)
+            if bad is not None:
+                tree, key = bad
+                return f"{tree} {key} is not finite (NaN or inf) {when}"
+        return None
+
+
+class RoundClock:
+    """Timestamps of a round: on a CUDA device CUDA events on the device's current stream
+    (``torch.cuda.Event(enable_timing=True)``, recorded without waiting, so the round has no
+    ``torch.cuda.synchronize``), elsewhere the wall clock (``time.perf_counter``). The seconds
+    between two marks are read after the round (:meth:`seconds`; on CUDA it waits for the later
+    event, which the round's host copy has already passed)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Any:
+        """A timestamp: a recorded ``torch.cuda.Event`` (CUDA) or a float in seconds."""
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def seconds(self, a: Any, b: Any) -> float:
+        """Seconds from mark ``a`` to mark ``b`` (float, >= 0)."""
+        if not self.cuda:
+            return b - a
+        b.synchronize()
+        return max(0.0, a.elapsed_time(b) / 1000.0)
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -31,11 +31,14 @@ def eval_groups(forward: Callable, params: Params, data: FederatedData, groups: 
 
     groups: G int64 index tensors. Returns ``(correct [G, C], count [G, C], loss_sum [G])``,
     float64 on the data's device; count[g, c] is the number of class-c samples in group g.
+    Device ops only: the group sizes are the tensors' shapes (host metadata), so no value is
+    read on the host and nothing is copied to or from it.
     """
     c = data.num_classes
     ids = torch.cat(groups)
-    gid = torch.repeat_interleave(torch.arange(len(groups), device=ids.device),
-                                  torch.as_tensor([len(g) for g in groups], device=ids.device))
+    # each sample's group: one fill per group from the host-known sizes (repeat_interleave would
+    # need the sizes as a device tensor, i.e. a host-to-device copy)
+    gid = torch.cat([torch.full((len(g),), j, dtype=torch.int64, device=ids.device) for j, g in enumerate(groups)])
     correct = torch.zeros(len(groups) * c, dtype=torch.float64, device=ids.device)
     count = torch.zeros_like(correct)
     loss = torch.zeros(len(groups), dtype=torch.float64, device=ids.device)
@@ -52,7 +55,9 @@ def eval_groups(forward: Callable, params: Params, data: FederatedData, groups: 
 
 def records_from_counts(round_idx: int, view: str, client_ids: list[int], correct: torch.Tensor, count: torch.Tensor,
                         loss: torch.Tensor) -> list[dict]:
-    """Rows of :class:`medpfl.data.schemas.EvalRecords` from per-class counts ([G, C])."""
+    """Rows of :class:`medpfl.data.schemas.EvalRecords` from per-class counts (correct, count
+    float64 [G, C], loss float64 [G]; one ``.cpu()`` each where they are on a device:
+    :class:`RoundRecords` copies a whole round's counts at once instead)."""
     correct, count, loss = correct.cpu().numpy(), count.cpu().numpy(), loss.cpu().numpy()
     rows = []
     for g, cid in enumerate(client_ids):
@@ -68,3 +73,36 @@ def records_from_counts(round_idx: int, view: str, client_ids: list[int], correc
             "loss": float(loss[g] / n),
         })
     return rows
+
+
+class RoundRecords:
+    """A round's evaluation counts, kept on the device while the round runs and turned into
+    records after it, from one host copy for all of them (:func:`medpfl.fl.tree.to_host`).
+
+    :meth:`add` a view's counts as they are computed; :meth:`tensors` are what the host copy
+    takes (3 per view: correct, count float64 [G, C], loss float64 [G]); :meth:`rows` builds the
+    rows of :class:`medpfl.data.schemas.EvalRecords` from their host copies, exactly as
+    :func:`records_from_counts` builds them from the device tensors (same values, same order)."""
+
+    def __init__(self, round_idx: int):
+        self.round_idx = round_idx
+        self._views: list[tuple[str, list[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = []
+
+    def add(self, view: str, client_ids, counts: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        """The counts ``(correct [G, C], count [G, C], loss_sum [G])`` of ``view`` for the G
+        clients ``client_ids`` (-1: the global test set), in row order. Nothing is read."""
+        self._views.append((view, [int(c) for c in client_ids], tuple(counts)))
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every count tensor added, in order (3 per view)."""
+        return [t for _, _, counts in self._views for t in counts]
+
+    def rows(self, host: list[torch.Tensor]) -> list[dict]:
+        """The records, from the host copies of :meth:`tensors` (same order). Raises
+        ValueError on a list of another length."""
+        if len(host) != 3 * len(self._views):
+            raise ValueError(f"RoundRecords.rows: {len(host)} tensors for {len(self._views)} views (3 each)")
+        out: list[dict] = []
+        for j, (view, ids, _) in enumerate(self._views):
+            out += records_from_counts(self.round_idx, view, ids, *host[3 * j:3 * j + 3])
+        return out

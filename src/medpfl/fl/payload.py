@@ -86,22 +86,39 @@ def payload_nbytes(obj: Any) -> int:
     """Bytes of a payload: ``numel * element_size`` per tensor in nested dicts/lists. A
     :class:`LowRank` leaf (one matrix, or a stack of them with a leading client dim) counts, per
     matrix, ``min(rank (P + Q + 1), P Q)`` numbers (the leading factors, or the dense matrix where
-    that is smaller) plus 8 bytes for the rank. Python numbers count 8, None 0."""
+    that is smaller) plus 8 bytes for the rank. Python numbers count 8, None 0. One host read of
+    the ranks where the payload holds LowRank leaves on a device (:func:`payload_nbytes_parts`
+    leaves it to the caller)."""
+    known, ranked = payload_nbytes_parts(obj)
+    return known + (0 if ranked is None else int(ranked))
+
+
+def payload_nbytes_parts(obj: Any) -> tuple[int, torch.Tensor | None]:
+    """:func:`payload_nbytes` as ``(known, ranked)`` without a host read: ``known`` (int) the
+    bytes fixed by the shapes and dtypes (host metadata: every dense tensor, the 8 bytes of
+    each rank), ``ranked`` the bytes of the LowRank factors actually sent, which depend on the
+    ranks' values: an int64 scalar on the ranks' device (summed over the LowRank leaves; None
+    when there are none). ``payload_nbytes(obj) == known + int(ranked)``. Raises TypeError on
+    an object that is not a tensor, a number, None or a dict/list/tuple of them."""
     if isinstance(obj, LowRank):
         esz = obj.u.element_size()
         p, q = obj.u.shape[-2], obj.vh.shape[-1]
         r = obj.rank.to(torch.int64).reshape(-1)
-        return int(torch.clamp(r * (p + q + 1), max=p * q).sum()) * esz + 8 * r.numel()
+        return 8 * r.numel(), torch.clamp(r * (p + q + 1), max=p * q).sum() * esz
     if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(payload_nbytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(payload_nbytes(v) for v in obj)
+        return obj.numel() * obj.element_size(), None
+    if isinstance(obj, (dict, list, tuple)):
+        known, ranked = 0, None
+        for v in (obj.values() if isinstance(obj, dict) else obj):
+            k, rk = payload_nbytes_parts(v)
+            known += k
+            if rk is not None:
+                ranked = rk if ranked is None else ranked + rk.to(ranked.device)
+        return known, ranked
     if isinstance(obj, (int, float)):
-        return 8
+        return 8, None
     if obj is None:
-        return 0
+        return 0, None
     raise TypeError(f"payload holds an object of type {type(obj).__name__}; only tensors and numbers may cross")
 
 
