@@ -251,6 +251,30 @@ def test_to_host_copies_every_tensor_bit_for_bit_in_one_copy():
     for got, want in zip(out, host):
         assert got.device.type == "cpu" and got.dtype == want.dtype and got.shape == want.shape
         assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
+def test_the_stacked_step_count_and_lr_are_device_tensors(emu_data, monkeypatch):
+    """The stacked step loop hands every optimizer step its step number as a 0-dim int64 tensor and
+    its -lr as a 0-dim float32 tensor on the accelerator, the same tensors at every step, the count
+    incremented in place (no Python number that changes per step; CUDA-graph capture). The
+    sequential executor keeps Python scalars."""
+    from medpfl.fl.optim import Chain
+
+    seen = []
+    real = Chain.step_
+
+    def spy(self, params, grads, state, count, per_client=False, scale=None):
+        seen.append((count, scale))
+        return real(self, params, grads, state, count, per_client, scale)
+
+    monkeypatch.setattr(Chain, "step_", spy)
+    _emulated_round(emu_data, "fedavg", "stacked", monkeypatch)
+    assert len(seen) > 1 and all(isinstance(c, torch.Tensor) and isinstance(s, torch.Tensor) for c, s in seen)
+    assert len({id(c) for c, _ in seen}) == 1 and len({id(s) for _, s in seen}) == 1, "new tensors per step"
+    c, s = seen[0]
+    assert c.device.type == s.device.type == emu_data.device.type
+    assert c.dim() == s.dim() == 0 and c.dtype == torch.int64 and s.dtype == torch.float32
+    seen.clear()
+    _emulated_round(emu_data, "fedavg", "sequential", monkeypatch)
+    assert seen and all(isinstance(c, int) and s is None for c, s in seen)
 
 
 # ----- on a real GPU ------------------------------------------------------------------------

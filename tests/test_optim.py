@@ -109,6 +109,118 @@ def test_clip_by_global_norm_by_hand_and_per_client():
     assert rows_["a"][1, 0] == torch.tensor(0.3) and rows_["b"][1, 1] == torch.tensor(0.4)
 
 
+def test_foreach_sgd_with_per_client_clip_by_hand():
+    """clip (per client) -> add_decayed_weights -> trace -> scale(-lr) on a stack of 2 clients x 2
+    leaves, two steps, with the stacked executor's device scalars (count int64, -lr float32), against
+    the formulas per client: n = sqrt(sum_leaves ||g||^2); d = min(1, c / (n + 1e-6)) g + wd w;
+    b = m b + d; w -= lr b."""
+    lr, m, wd, c = 0.1, 0.5, 0.1, 1.0
+    w0 = {"w": [[1.0, 2.0], [0.5, -1.0]], "b": [[1.0], [2.0]]}
+    grads = [{"w": [[3.0, 0.0], [0.3, 0.0]], "b": [[4.0], [0.4]]},  # norms 5 (clipped) and 0.5 (not)
+             {"w": [[0.0, 0.0], [1.0, 0.0]], "b": [[0.0], [0.0]]}]  # norms 0 and 1 (clipped by 1/(1+1e-6))
+    opt = chain(clip_by_global_norm(c), sgd(lr, momentum=m, weight_decay=wd))
+    params = {k: torch.tensor(v) for k, v in w0.items()}
+    state = opt.init(params)
+    count, neg_lr = torch.zeros((), dtype=torch.int64), torch.tensor(opt.final_scale)
+    want = {k: [list(r) for r in v] for k, v in w0.items()}
+    buf = {k: [[0.0] * len(r) for r in v] for k, v in w0.items()}
+    for g in grads:
+        count.add_(1)
+        opt.step_(params, {k: torch.tensor(v) for k, v in g.items()}, state, count=count, per_client=True,
+                  scale=neg_lr)
+        for j in range(2):  # the formulas, client by client, in float64
+            n = sum(x * x for k in g for x in g[k][j]) ** 0.5
+            coef = min(1.0, c / (n + 1e-6))
+            for k in g:
+                for i, x in enumerate(g[k][j]):
+                    d = coef * x + wd * want[k][j][i]
+                    buf[k][j][i] = m * buf[k][j][i] + d
+                    want[k][j][i] -= lr * buf[k][j][i]
+    assert int(count) == 2
+    for k in want:
+        torch.testing.assert_close(params[k], torch.tensor(want[k]), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(state[2]["trace"][k], torch.tensor(buf[k]), rtol=1e-6, atol=1e-7)
+    # worked by hand: client 0, leaf b: d1 = 4/(5+1e-6) + 0.1*1 = 0.9 = b1, w1 = 1 - 0.09 = 0.91;
+    # g2 = 0: b2 = 0.5*0.9 + 0.1*0.91 = 0.541. Client 1, leaf w[0]: d1 = 0.3 + 0.1*0.5 = 0.35 = b1,
+    # w1 = 0.465; d2 = 1/(1+1e-6) + 0.0465, b2 = 0.175 + d2 = 1.2214990, w2 = 0.465 - 0.1221499
+    assert float(state[2]["trace"]["b"][0, 0]) == pytest.approx(0.541, rel=1e-6)
+    assert float(params["w"][1, 0]) == pytest.approx(0.465 - 0.1 * (0.175 + 1 / (1 + 1e-6) + 0.0465), rel=1e-6)
+
+
+@pytest.mark.parametrize("opt", [chain(clip_by_global_norm(0.5), sgd(0.05, 0.9, 1e-2)), sgd(0.05, 0.9, 1e-2),
+                                 adam(1e-2, weight_decay=1e-2), adam(1e-2, 0.8, 0.99, weight_decay=1e-2,
+                                                                     decoupled_weight_decay=True),
+                                 chain(clip_by_global_norm(1.0), adam(1e-3))], ids=str)
+def test_device_count_and_lr_give_the_python_scalars_floats_bit_for_bit(opt):
+    """The stacked executor's step: count a 0-dim int64 tensor incremented in place, -lr a 0-dim
+    float32 tensor (``scale=``), against Python ints and the chain's float factor: the same floats
+    (the final w += s u rounded once; Adam's bias corrections computed in float64 and rounded to
+    float32), on the rows of a stack that shrinks."""
+    a_py, a_dev = _leaves(0, (3,)), _leaves(0, (3,))
+    s_py, s_dev = opt.init(a_py), opt.init(a_dev)
+    count, neg_lr = torch.zeros((), dtype=torch.int64), torch.tensor(opt.final_scale, dtype=torch.float32)
+    for step in range(1, 31):
+        a = 3 if step < 20 else 2
+        g = _leaves(100 + step, (a,))
+        opt.step_({k: v[:a] for k, v in a_py.items()}, {k: v.clone() for k, v in g.items()}, rows(s_py, a),
+                  count=step, per_client=True)
+        count.add_(1)
+        opt.step_({k: v[:a] for k, v in a_dev.items()}, {k: v.clone() for k, v in g.items()}, rows(s_dev, a),
+                  count=count, per_client=True, scale=neg_lr)
+    for k in a_py:
+        assert torch.equal(a_py[k], a_dev[k])
+
+
+@pytest.mark.parametrize("b1, b2", [(0.9, 0.999), (0.8, 0.99), (0.95, 0.9999)])
+def test_adam_bias_corrections_from_a_device_count_are_the_python_ones_in_float32(b1, b2):
+    """(1 - b1^t, sqrt(1 - b2^t)) from a 0-dim int64 count (float64 on the device, then float32)
+    equal the Python float64 values rounded to float32, t = 1..3000 and a few large t."""
+    t_adam = scale_by_adam(b1, b2)
+    for t in [*range(1, 3001), 10_000, 99_999, 1_000_000]:
+        py1, py2 = t_adam.bias_corrections(t)
+        dev1, dev2 = t_adam.bias_corrections(torch.tensor(t))
+        assert dev1.dtype == dev2.dtype == torch.float32 and dev1.dim() == 0
+        assert dev1 == torch.tensor(py1, dtype=torch.float32) and dev2 == torch.tensor(py2, dtype=torch.float32), t
+
+
+def test_a_device_scale_needs_a_chain_that_ends_in_scale():
+    w = {"w": torch.ones(2)}
+    opt = chain(trace(0.9))
+    with pytest.raises(ValueError, match="does not end in scale"):
+        opt.step_(w, {"w": torch.ones(2)}, opt.init(w), count=1, scale=torch.tensor(-0.1))
+    assert opt.final_scale is None and sgd(0.1).final_scale == -0.1
+
+
+class _Kernels(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten ops that launch a kernel (not views, not allocations)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not (func.is_view or func.overloadpacket.__name__ in ("detach", "alias", "empty", "empty_strided")):
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("opt, per_leaf", [(sgd(0.05, 0.9, 1e-2), 0), (adam(1e-3, weight_decay=1e-2), 0),
+                                           (chain(clip_by_global_norm(1.0), sgd(0.05, 0.9)), 1)], ids=str)
+def test_optimizer_kernels_per_step_do_not_grow_with_the_leaves(opt, per_leaf):
+    """One foreach op per operation over all leaves: a step on 8 leaves launches as many kernels as
+    on 2 (the per-client clip: one rescaling kernel per leaf, a per-row coefficient broadcast)."""
+    def kernels(n_leaves):
+        params = {f"l{i}": torch.randn(3, 4, 5) for i in range(n_leaves)}
+        state = opt.init(params)
+        count, s = torch.ones((), dtype=torch.int64), torch.tensor(opt.final_scale)
+        grads = {k: torch.randn(3, 4, 5) for k in params}
+        mode = _Kernels()
+        with mode:
+            opt.step_(params, grads, state, count=count, per_client=True, scale=s)
+        return mode.n
+    assert kernels(8) - kernels(2) == per_leaf * 6
+
+
 def test_adam_first_step_by_hand():
     """m_hat = g and v_hat = g^2 at t = 1 (Kingma & Ba 2015 Alg. 1): w -= lr g / (|g| + eps)."""
     w = {"w": torch.tensor([1.0, -1.0, 0.5], dtype=torch.float64)}
@@ -154,7 +266,11 @@ def test_sgd_chain_is_the_old_hand_wired_step_bit_for_bit(momentum, wd, clip):
         _old_sgd_step_({k: v[:a] for k, v in st_old.items()}, gs_old, {k: v[:a] for k, v in sb_old.items()}, 0.05,
                        momentum, wd)
     for k in p_new:
-        assert torch.equal(p_new[k], p_old[k]) and torch.equal(st_new[k], st_old[k])
+        if clip is None:
+            assert torch.equal(p_new[k], p_old[k]) and torch.equal(st_new[k], st_old[k])
+        else:  # the clip's norm: one foreach norm per leaf (row), then their norm; summed in another order
+            torch.testing.assert_close(p_new[k], p_old[k], rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(st_new[k], st_old[k], rtol=1e-6, atol=1e-7)
     assert torch.equal(st_new["w"][3], _leaves(1, (4,))["w"][3])  # a row never active is untouched
 
 

@@ -28,12 +28,35 @@ takes the active rows of every buffer as views (:func:`rows`) and lays a buffer 
 gradient (:func:`relayout_leaf_`). The step number ``count`` (1-based, within the phase) is
 passed in: all clients still training in a phase have taken the same number of steps.
 
+**One kernel per operation, not per leaf.** Every transformation applies its operations to the
+list of leaves at once with PyTorch's multi-tensor ``torch._foreach_*`` ops (``_foreach_add_``,
+``_foreach_mul_``, ``_foreach_lerp_``, ``_foreach_addcmul_``, ``_foreach_norm``; on CUDA one
+launch per few dozen tensors, on the CPU a loop of the same per-tensor kernels, so the floats are
+those of the per-leaf ops). Not per leaf: the per-client clip's rescaling (a per-row
+coefficient broadcast over each leaf; torch's foreach fast path needs equal shapes).
+
+**Device scalars (stacked executor).** :meth:`Chain.step_` takes ``count`` as a Python int
+(sequential executor, FedBE) or as a 0-dim int64 tensor on the leaves' device, and the final
+scale (``-lr``) as a Python float or a 0-dim float32 tensor on that device (``scale=``). With
+tensors nothing per step is a Python number, so a step is the same kernels with the same
+arguments at every step and round (what CUDA-graph capture needs), and the lr of a new round is
+written into the tensor. The floats are the same: ``w += s*u`` with a 0-dim ``s`` is ``addcmul``,
+rounded once like ``add_(u, alpha=s)`` (CPU: bit-identical), and Adam's bias corrections are
+computed in float64 on the device from the count and rounded to float32, as the Python path's
+float64 numbers are rounded to float32 by the kernels (bit-identical on the CPU for every step
+count tested, ``tests/test_optim.py``; on CUDA float64 ``pow`` is within 2 float64 ulp, which
+changes the float32 value only where the exact value lies within 2 float64 ulp of a float32
+rounding boundary).
+
 **Same floats as PyTorch.** Each transformation applies the in-place operations of
 ``torch.optim.SGD``'s single-tensor step in its order, and a chain that ends in ``scale(c)``
 applies ``w += c * u`` as one ``w.add_(u, alpha=c)``, as ``torch.optim.SGD`` does
 (``param.add_(grad, alpha=-lr)``, rounded once: PyTorch's vectorised CPU kernel is a fused
 multiply-add); multiplying first would round twice. SGD chains therefore give torch's SGD
-and the earlier hand-wired step bit for bit. Adam is ``torch.optim.Adam``'s arithmetic up to
+and the earlier hand-wired step bit for bit (with a clip first: within 1e-6 relative, as the
+clip's global norm is now the norm of per-leaf ``_foreach_norm`` norms, summed in another order
+than the earlier sum of squares; :func:`global_norm`). ``torch._fused_sgd_`` is not used: on the
+CPU its floats differ from these on strided leaves and on small ones (torch 2.13). Adam is ``torch.optim.Adam``'s arithmetic up to
 rounding: torch folds ``1 / (1 - b1^t)`` into the step size and applies ``addcdiv`` (its
 reading of Kingma & Ba's "efficient version"), the chain scales the bias-corrected direction
 (``tests/test_optim.py``: within 1e-6 relative).
@@ -55,18 +78,22 @@ Params = dict[str, torch.Tensor]
 State = dict[str, Params]
 
 
+Count = int | torch.Tensor
+
+
 class Transform:
     """A gradient transformation: ``init(params) -> state`` and ``update_(updates, state,
     params, count=, per_client=) -> updates``. ``update_`` may change the tensors of
     ``updates`` and ``state`` in place (they are the optimizer's own: fresh gradients and
     buffers, or views of a stack's rows) and returns the updates for the next transformation;
-    it never changes ``params``. ``count``: the step number within the phase (1-based);
-    ``per_client``: the leaves carry a leading client dim (reductions are per row)."""
+    it never changes ``params``. ``count``: the step number within the phase (1-based), a Python
+    int or a 0-dim int64 tensor on the leaves' device; ``per_client``: the leaves carry a
+    leading client dim (reductions are per row)."""
 
     def init(self, params: Params) -> State:
         return {}
 
-    def update_(self, updates: Params, state: State, params: Params, *, count: int, per_client: bool) -> Params:
+    def update_(self, updates: Params, state: State, params: Params, *, count: Count, per_client: bool) -> Params:
         raise NotImplementedError
 
 
@@ -79,14 +106,14 @@ class ClipByGlobalNorm(Transform):
     max_norm: float
 
     def update_(self, updates, state, params, *, count, per_client):
-        if per_client:
-            m = next(iter(updates.values())).shape[0]
-            norm = torch.sqrt(sum(torch.sum(u.float().reshape(m, -1) ** 2, dim=1) for u in updates.values()))
-        else:
-            norm = torch.sqrt(sum(torch.sum(u.float() ** 2) for u in updates.values()))
+        us = list(updates.values())
+        norm = global_norm(us, per_client)
         coef = torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)
-        for u in updates.values():
-            u.mul_(coef.view(-1, *([1] * (u.dim() - 1))) if per_client else coef)
+        if per_client:  # a per-row coefficient broadcast over each leaf: one kernel per leaf
+            for u in us:
+                u.mul_(coef.view(-1, *([1] * (u.dim() - 1))))
+        else:
+            torch._foreach_mul_(us, coef)
         return updates
 
     def __str__(self):
@@ -104,8 +131,7 @@ class AddDecayedWeights(Transform):
     weight_decay: float
 
     def update_(self, updates, state, params, *, count, per_client):
-        for k, u in updates.items():
-            u.add_(params[k], alpha=self.weight_decay)
+        torch._foreach_add_(list(updates.values()), [params[k] for k in updates], alpha=self.weight_decay)
         return updates
 
     def __str__(self):
@@ -124,12 +150,10 @@ class Trace(Transform):
         return {"trace": {k: torch.zeros_like(p) for k, p in params.items()}}
 
     def update_(self, updates, state, params, *, count, per_client):
-        out = {}
-        for k, u in updates.items():
-            b = state["trace"][k]
-            b.mul_(self.decay).add_(u)
-            out[k] = b
-        return out
+        bufs = [state["trace"][k] for k in updates]
+        torch._foreach_mul_(bufs, self.decay)
+        torch._foreach_add_(bufs, list(updates.values()))
+        return dict(zip(updates, bufs))
 
     def __str__(self):
         return f"trace({self.decay:g})"
@@ -152,17 +176,30 @@ class ScaleByAdam(Transform):
         return {"mu": {k: torch.zeros_like(p) for k, p in params.items()},
                 "nu": {k: torch.zeros_like(p) for k, p in params.items()}}
 
+    def bias_corrections(self, count: Count) -> tuple[float, float] | tuple[torch.Tensor, torch.Tensor]:
+        """``(1 - b1^t, sqrt(1 - b2^t))`` at step t = ``count``: Python floats (float64) for an
+        int; for a 0-dim integer tensor, 0-dim float32 tensors on its device, computed in float64
+        from it (device ops only) and rounded to float32, which is what a float32 kernel makes
+        of the Python floats (the same float32 values; ``tests/test_optim.py``)."""
+        if isinstance(count, torch.Tensor):
+            t = count.to(torch.float64)
+            return ((1 - torch.pow(self.b1, t)).to(torch.float32),
+                    torch.sqrt(1 - torch.pow(self.b2, t)).to(torch.float32))
+        return 1 - self.b1 ** count, (1 - self.b2 ** count) ** 0.5
+
     def update_(self, updates, state, params, *, count, per_client):
-        bc1 = 1 - self.b1 ** count
-        bc2_sqrt = (1 - self.b2 ** count) ** 0.5
-        out = {}
-        for k, u in updates.items():
-            m, v = state["mu"][k], state["nu"][k]
-            m.lerp_(u, 1 - self.b1)
-            v.mul_(self.b2).addcmul_(u, u, value=1 - self.b2)
-            denom = (v.sqrt() / bc2_sqrt).add_(self.eps)
-            out[k] = torch.div(m, denom, out=denom).div_(bc1)  # m_hat / (sqrt(v_hat) + eps), in denom's memory
-        return out
+        us = list(updates.values())
+        ms, vs = [state["mu"][k] for k in updates], [state["nu"][k] for k in updates]
+        bc1, bc2_sqrt = self.bias_corrections(count)
+        torch._foreach_lerp_(ms, us, 1 - self.b1)
+        torch._foreach_mul_(vs, self.b2)
+        torch._foreach_addcmul_(vs, us, us, value=1 - self.b2)
+        denom = torch._foreach_sqrt(vs)
+        torch._foreach_div_(denom, bc2_sqrt)
+        torch._foreach_add_(denom, self.eps)
+        out = torch._foreach_div(ms, denom)  # m_hat / (sqrt(v_hat) + eps)
+        torch._foreach_div_(out, bc1)
+        return dict(zip(updates, out))
 
     def __str__(self):
         return f"scale_by_adam({self.b1:g}, {self.b2:g}, {self.eps:g})"
@@ -176,8 +213,7 @@ class Scale(Transform):
     factor: float
 
     def update_(self, updates, state, params, *, count, per_client):
-        for u in updates.values():
-            u.mul_(self.factor)
+        torch._foreach_mul_(list(updates.values()), self.factor)
         return updates
 
     def __str__(self):
@@ -196,23 +232,44 @@ class Chain:
         return [t.init(params) for t in self.transforms]
 
     @torch.no_grad()
-    def step_(self, params: Params, grads: Params, state: list[State], count: int, per_client: bool = False) -> None:
+    def step_(self, params: Params, grads: Params, state: list[State], count: Count, per_client: bool = False,
+              scale: torch.Tensor | None = None) -> None:
         """One optimizer step, in place: ``w <- w + u`` with ``u`` the transformed ``grads``
-        (overwritten). A final :class:`Scale` is applied as ``w.add_(u, alpha=factor)``. A
-        transformation's state is never handed on to a later one (which may change its updates
-        in place): :class:`Trace`'s buffer is copied unless only the final scale follows it."""
+        (overwritten). A final :class:`Scale` is applied as ``w.add_(u, alpha=factor)`` (one
+        rounding), all leaves in one ``torch._foreach_add_``. A transformation's state is never
+        handed on to a later one (which may change its updates in place): :class:`Trace`'s
+        buffer is copied unless only the final scale follows it.
+
+        ``count``: the step number within the phase (1-based): a Python int, or a 0-dim int64
+        tensor on the leaves' device (the stacked executor's, incremented in place).
+        ``scale``: None, or the final :class:`Scale`'s factor (``-lr``) as a 0-dim float32
+        tensor on the leaves' device, applied as ``torch._foreach_addcmul_(w, u, scale)``
+        (also rounded once: on the CPU the same floats as the Python factor). ``per_client``:
+        the leaves carry a leading client dim [a, ...] (the clip's norm is per row).
+        Raises ValueError when ``scale`` is given and the chain does not end in a
+        :class:`Scale`."""
         ts = self.transforms
         alpha = 1.0
         if ts and isinstance(ts[-1], Scale):
             ts, alpha = ts[:-1], ts[-1].factor
+        elif scale is not None:
+            raise ValueError(f"step_: scale given, but the chain {self} does not end in scale(c)")
         u = grads
         for i, (t, s) in enumerate(zip(ts, state)):
             u = t.update_(u, s, params, count=count, per_client=per_client)
             if s and i < len(ts) - 1:  # trace returns its buffer: a later in-place transformation gets a copy
                 own = {id(b) for bufs in s.values() for b in bufs.values()}
                 u = {k: v.clone() if id(v) in own else v for k, v in u.items()}
-        for k, p in params.items():
-            p.add_(u[k], alpha=alpha)
+        ps, us = list(params.values()), [u[k] for k in params]
+        if scale is None:
+            torch._foreach_add_(ps, us, alpha=alpha)
+        else:
+            torch._foreach_addcmul_(ps, us, [scale] * len(ps))
+
+    @property
+    def final_scale(self) -> float | None:
+        """The factor of a final :class:`Scale` (``-lr`` for SGD and Adam; None without one)."""
+        return self.transforms[-1].factor if self.transforms and isinstance(self.transforms[-1], Scale) else None
 
     @property
     def lr(self) -> float | None:
@@ -221,6 +278,22 @@ class Chain:
 
     def __str__(self):
         return " -> ".join(str(t) for t in self.transforms) or "identity"
+
+
+def global_norm(leaves: list[torch.Tensor], per_client: bool = False) -> torch.Tensor:
+    """The L2 norm over all ``leaves`` (any float dtype; computed in float32): a 0-dim float32
+    tensor, or with ``per_client`` (leaves [a, ...], a leading client dim) float32 [a], the norm
+    of each row over all leaves. One ``torch._foreach_norm`` over the leaves (their rows with
+    ``per_client``), then the norm of those norms: ``sqrt(sum_l ||u_l||^2)``. Equals the norm of
+    the concatenated leaves up to float32 summation order (within 1e-6 relative,
+    ``tests/test_optim.py``). Raises ValueError on an empty list."""
+    if not leaves:
+        raise ValueError("global_norm: no leaves")
+    if per_client:
+        a = leaves[0].shape[0]
+        norms = torch._foreach_norm([r for u in leaves for r in u.unbind(0)], 2, dtype=torch.float32)
+        return torch.linalg.vector_norm(torch.stack(norms).view(len(leaves), a), dim=0)
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(leaves, 2, dtype=torch.float32)))
 
 
 def chain(*transforms: Transform | Chain) -> Chain:

@@ -173,6 +173,18 @@ class StackedExecutor(SequentialExecutor):
 
     name = "stacked"
 
+    def _step_scalar(self, key: str, dtype: torch.dtype) -> torch.Tensor:
+        """A 0-dim tensor of ``dtype`` on the data's device, kept by the executor under ``key``
+        (the same memory every phase and round; the caller writes its value in place with
+        ``zero_``/``fill_``, device ops without a host synchronisation). The step loop's step
+        counter (``"count"``, int64) and each trained tree's final scale ``-lr`` (float32): no
+        Python number changes from one local step to the next (CUDA-graph capture, issue 32)."""
+        store = self.__dict__.setdefault("_step_scalars", {})
+        t = store.get(key)
+        if t is None or t.dtype != dtype or t.device.type != torch.device(self.data.device).type:
+            t = store[key] = torch.zeros((), dtype=dtype, device=self.data.device)
+        return t
+
     def _gather_sctx(self, sctx: dict, pos: torch.Tensor, a: int) -> dict:
         out = {}
         bs = pos.shape[1]
@@ -257,6 +269,10 @@ class StackedExecutor(SequentialExecutor):
         sample_ids = torch.gather(i.unsqueeze(1).expand(m, plan.steps, i.shape[1]), 2, plan.pos)  # [m, S, B]
         flat = [(tn, k) for tn in names for k in names[tn]]
         states = {tn: opts[tn].init({k: t[tn][k] for k in names[tn]}) for tn in names}  # stacked [m, ...]
+        # the step number and the lr as device tensors (optim.Chain.step_): the same kernel arguments every step
+        count = self._step_scalar("count", torch.int64).zero_()
+        scales = {tn: self._step_scalar(f"scale/{tn}", torch.float32).fill_(opts[tn].final_scale)
+                  for tn in names if opts[tn].final_scale is not None}
         objective = ph.loss or algo.local_loss
         loss_fn = vmap(objective, in_dims=(0, cdims, 0))
         project = vmap(ph.project) if ph.project is not None else None
@@ -289,9 +305,10 @@ class StackedExecutor(SequentialExecutor):
                     t[tn][k] = moved
                     rows[tn][k] = moved[: gk.shape[0]]
                     relayout_leaf_(states[tn], k, lambda b, gk=gk: _like_grad(b, gk))  # its buffers too
+            count.add_(1)
             for tn in names:  # the active rows, in place (views of the stacks)
-                opts[tn].step_({k: rows[tn][k] for k in names[tn]}, g[tn], state_rows(states[tn], a), count=s + 1,
-                               per_client=True)
+                opts[tn].step_({k: rows[tn][k] for k in names[tn]}, g[tn], state_rows(states[tn], a), count=count,
+                               per_client=True, scale=scales.get(tn))
             if project is not None:
                 with torch.no_grad():
                     view = {tn: {k: t[tn][k][:a] for k in t[tn]} for tn in t}
