@@ -168,6 +168,113 @@ def _to_device(plans: list[_Plan], device: torch.device) -> list[_Plan]:
     return plans
 
 
+class _PlainCall:
+    """The stand-in for a captured graph where there is no capture (CPU, tests): ``replay()``
+    calls the step."""
+
+    def __init__(self, step: Any):
+        self.step = step
+
+    def replay(self) -> None:
+        self.step()
+
+
+class _StaticStep:
+    """One static local step of the stacked executor with fixed shapes, for one key (method,
+    phase, m clients, batch size B), kept by the executor for the whole run: the tensors a step
+    reads and writes live in buffers allocated on first use and reused every round.
+
+    Buffers (``store``, by path): the stacked trees ``[m, ...]`` and optimizer buffers (copied in
+    at the start of each phase by :meth:`load`, copied out at its end by the caller), the
+    per-client and shared context, and the step's inputs: the sample ids int64 [m, B], the
+    per-sample weights float32 [m, B], the ``active`` mask bool [m] and the gathered per-sample
+    context [m, B, ...] (device-to-device copies before each step). ``allocations`` counts the
+    buffers allocated (a shape, dtype or device change reallocates and drops the graph).
+
+    :meth:`run` runs one real step: the first ``warmup`` steps of the run eagerly (on a side
+    stream on CUDA, as :func:`torch.cuda.graph` requires; a leaf re-laid out to its gradient's
+    strides there is registered back with :meth:`save`), then captures the step once
+    (``torch.cuda.graph``: forward, ``autograd.grad``, optimizer, selection) and replays it for
+    this and every later step, in every later round. ``capture=False``: the capture is replaced
+    by :class:`_PlainCall` (the same buffers, copies and cache; what the CPU tests exercise).
+    A step that cannot be captured (a host read or a dynamic shape in the method's objective)
+    raises ValueError naming the method, the phase and ``train.cuda_graphs``.
+    """
+
+    def __init__(self, key: tuple, device: torch.device, capture: bool, warmup: int = 2):
+        self.key = key
+        self.device = torch.device(device)
+        self.capture = capture
+        self.warmup = warmup
+        self.store: dict[tuple, torch.Tensor] = {}
+        self.allocations = 0
+        self.warmed = 0
+        self.graph: Any = None
+
+    def load(self, name: str, tree: Any) -> Any:
+        """``tree`` (nested dicts / lists of tensors) copied into this step's buffers under
+        ``name``; returns the same structure holding the buffers. Non-tensor leaves pass through."""
+        return self._into((name,), tree)
+
+    def _into(self, path: tuple, x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: self._into(path + (k,), v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(self._into(path + (i,), v) for i, v in enumerate(x))
+        if not isinstance(x, torch.Tensor):
+            return x
+        buf = self.store.get(path)
+        if buf is None or buf.shape != x.shape or buf.dtype != x.dtype or buf.device != x.device:
+            buf = self.store[path] = torch.empty_like(x)
+            self.allocations += 1
+            self.graph, self.warmed = None, 0  # a captured graph reads the old buffers
+        buf.copy_(x)
+        return buf
+
+    def save(self, name: str, tree: Any, path: tuple | None = None) -> None:
+        """Register the tensors of ``tree`` as the buffers under ``name`` (after a warm-up step
+        replaced a leaf by a re-laid-out copy, :func:`_like_grad`)."""
+        path = (name,) if path is None else path
+        if isinstance(tree, dict):
+            for k, v in tree.items():
+                self.save(name, v, path + (k,))
+        elif isinstance(tree, (list, tuple)):
+            for i, v in enumerate(tree):
+                self.save(name, v, path + (i,))
+        elif isinstance(tree, torch.Tensor):
+            self.store[path] = tree
+
+    def run(self, step: Any, algo: Algorithm, ph: Phase, after_eager: Any) -> None:
+        """One real step: eager (warm-up; then ``after_eager()``), or a replay of the graph,
+        captured first if need be."""
+        if self.graph is None and self.warmed < self.warmup:
+            if self.capture:
+                side = torch.cuda.Stream(self.device)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):
+                    step()
+                torch.cuda.current_stream(self.device).wait_stream(side)
+            else:
+                step()
+            self.warmed += 1
+            after_eager()
+            return
+        if self.graph is None:
+            self.graph = self._capture(step, algo, ph) if self.capture else _PlainCall(step)
+        self.graph.replay()
+
+    def _capture(self, step: Any, algo: Algorithm, ph: Phase) -> Any:
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                step()
+        except RuntimeError as e:
+            raise ValueError(f"train.cuda_graphs: method {algo.name!r}, phase {ph.name!r}: its local step cannot be "
+                             f"captured as a CUDA graph ({e}); a host read or a shape that depends on values in its "
+                             "objective cannot be captured: set train.cuda_graphs: false for this method") from e
+        return graph
+
+
 class StackedExecutor(SequentialExecutor):
     """Vectorised over the round's clients; same results as :class:`SequentialExecutor`."""
 
@@ -276,6 +383,10 @@ class StackedExecutor(SequentialExecutor):
         objective = ph.loss or algo.local_loss
         loss_fn = vmap(objective, in_dims=(0, cdims, 0))
         project = vmap(ph.project) if ph.project is not None else None
+        if self.fixed_shape:
+            t = self._run_phase_fixed(algo, ph, plan, t, c, sc, sample_ids, names, opts, states, count, scales,
+                                      loss_fn, project)
+            return t if plan.identity else tree_index(t, plan.inverse)
         labels = self.data.labels
         for s in range(plan.steps):
             a = plan.n_active[s]
@@ -317,6 +428,147 @@ class StackedExecutor(SequentialExecutor):
                             t[tn][k][:a].copy_(v)
         t = {tn: {k: v.detach().contiguous() for k, v in tree.items()} for tn, tree in t.items()}  # laid back
         return t if plan.identity else tree_index(t, plan.inverse)
+
+    # ----- fixed-shape steps and CUDA graphs (issue 32) --------------------------------------
+    #: private switch: fixed-shape masked steps without CUDA graphs (tests, benchmarks); on
+    #: whenever ``train.cuda_graphs`` is
+    _fixed_shape_steps = False
+    #: private switch: the static-step layer (buffers allocated once per run, graph cache) with
+    #: the capture replaced by a plain call, on any device (the CPU tests of that layer)
+    _static_steps = False
+
+    @property
+    def fixed_shape(self) -> bool:
+        """Every local step runs all m rows of the stack with an ``active`` mask (see
+        :meth:`_run_phase_fixed`): ``train.cuda_graphs``, or the private ``_fixed_shape_steps``."""
+        return bool(getattr(self.train, "cuda_graphs", False)) or self._fixed_shape_steps or self._static_steps
+
+    @property
+    def static_steps(self) -> bool:
+        """Steps run on per-run static buffers through :class:`_StaticStep` (captured as CUDA
+        graphs on a CUDA device with ``train.cuda_graphs``; a plain call otherwise)."""
+        return bool(getattr(self.train, "cuda_graphs", False)) or self._static_steps
+
+    def _run_phase_fixed(self, algo: Algorithm, ph: Phase, plan: _Plan, t: dict, c: dict, sc: dict,
+                         sample_ids: torch.Tensor, names: dict, opts: dict, states: dict, count: torch.Tensor,
+                         scales: dict, loss_fn: Any, project: Any) -> dict:
+        """The phase's steps with a fixed shape: every step runs all m rows (sorted order, as
+        ``plan``) whatever the number of clients still training. ``active`` (bool [m]) is
+        ``steps_k > s`` computed on the device from the step counter ``count`` (0-dim int64, no
+        host read); a finished client's batch is its padded row (weights 0), its gradient is
+        computed and discarded: its parameters, BatchNorm buffers and optimizer buffers are
+        restored with ``torch.where`` after the step (a selection, so a NaN in a discarded row
+        cannot leak; never a multiplication by the mask). The active rows see the arithmetic of
+        the shrinking path (same batches, weights, counts and lr); only the batched kernels'
+        sizes differ, i.e. fp32 summation order. Returns the trees (sorted rows), laid back
+        contiguous, new tensors (never the static buffers)."""
+        m, bs = sample_ids.shape[0], sample_ids.shape[2]
+        flat = [(tn, k) for tn in names for k in names[tn]]
+        buffers = set(algo.forward.buffers)
+        # what a step may change in place: the trained leaves and the BatchNorm buffers of every tree
+        mutable = {tn: [k for k in tree if k in names.get(tn, ()) or k in buffers] for tn, tree in t.items()}
+        steps_sorted = plan.steps_dev[plan.perm]  # int64 [m], sorted order (device op)
+        labels = self.data.labels
+        sc_rows = {k: v for k, v in sc.items()}
+
+        def gather_sctx(s: int) -> dict:
+            return self._gather_sctx(sc_rows, plan.pos[:, s], m) if sc_rows else {}
+
+        st = None
+        if self.static_steps:
+            key = (algo.name, ph.name, m, bs)
+            st = self.__dict__.setdefault("_static_cache", {}).get(key)
+            if st is None:
+                st = self._static_cache[key] = _StaticStep(key, self.data.device,
+                                                           capture=self._capture_on_device())
+            t, c, states = st.load("trees", t), st.load("ctx", c), st.load("states", states)
+            sid = st.load("sid", sample_ids[:, 0])
+            w = st.load("w", plan.weights[:, 0])
+            active = st.load("active", steps_sorted > count)
+            sbatch = st.load("sctx", gather_sctx(0))
+        else:
+            sid, w, active, sbatch = sample_ids[:, 0], plan.weights[:, 0], steps_sorted > count, gather_sctx(0)
+
+        def step() -> None:
+            batch = {"x": self.data.x(sid), "y": labels[sid], "w": w, **sbatch}
+            self._masked_step(algo, ph, t, c, states, batch, active, names, flat, mutable, opts, count, scales,
+                              loss_fn, project)
+
+        for s in range(plan.steps):
+            if st is None:
+                if s:
+                    sid, w, active, sbatch = sample_ids[:, s], plan.weights[:, s], steps_sorted > count, gather_sctx(s)
+                step()
+                continue
+            if s:  # the step's inputs into the static buffers: device-to-device copies
+                sid.copy_(sample_ids[:, s])
+                w.copy_(plan.weights[:, s])
+                torch.gt(steps_sorted, count, out=active)
+                for k, v in gather_sctx(s).items():
+                    sbatch[k].copy_(v)
+            st.run(step, algo, ph, lambda: (st.save("trees", t), st.save("states", states)))
+        return {tn: {k: v.detach().clone(memory_format=torch.contiguous_format) for k, v in tree.items()}
+                for tn, tree in t.items()}
+
+    def _capture_on_device(self) -> bool:
+        """Real CUDA-graph capture: ``train.cuda_graphs`` on a CUDA device (else a plain call)."""
+        return bool(getattr(self.train, "cuda_graphs", False)) and torch.device(self.data.device).type == "cuda"
+
+    def _masked_step(self, algo: Algorithm, ph: Phase, t: dict, c: dict, states: dict, batch: dict,
+                     active: torch.Tensor, names: dict, flat: list, mutable: dict, opts: dict, count: torch.Tensor,
+                     scales: dict, loss_fn: Any, project: Any) -> None:
+        """One fixed-shape step on all m rows of the stacks ``t`` (in place): forward, one
+        ``autograd.grad`` of the summed loss, the optimizer on every row, the projection, then
+        the rows where ``active`` (bool [m]) is False put back as they were before the step
+        (``torch.where``: parameters, BatchNorm buffers, optimizer buffers). Increments
+        ``count``. Device ops only: what a CUDA graph captures."""
+        m = active.shape[0]
+
+        def keep(x: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+
+        def select_(dst: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> None:
+            # dst <- new on the active rows, old on the others (a selection: NaN-safe)
+            dst.copy_(torch.where(active.view(m, *([1] * (dst.dim() - 1))), new, old))
+
+        before = {tn: {k: keep(t[tn][k]) for k in ks} for tn, ks in mutable.items()}
+        before_states = {tn: [{slot: {k: keep(b) for k, b in bufs.items()} for slot, bufs in s.items()}
+                              for s in states[tn]] for tn in names}
+        rows = {tn: {k: (v.detach().requires_grad_() if k in names.get(tn, ()) else v) for k, v in tree.items()}
+                for tn, tree in t.items()}
+        with self.autocast():
+            loss = loss_fn(rows, c, batch).sum()
+        grads = _grad(algo, ph, loss, [rows[tn][k] for tn, k in flat])
+        g: dict[str, dict[str, torch.Tensor]] = {tn: {} for tn in names}
+        for (tn, k), gk in zip(flat, grads):
+            g[tn][k] = gk
+            moved = _like_grad(t[tn][k], gk)
+            if moved is not None:  # once per run on the static buffers (see _StaticStep.save), once per phase else
+                t[tn][k] = moved
+                rows[tn][k] = moved
+                relayout_leaf_(states[tn], k, lambda b, gk=gk: _like_grad(b, gk))
+        count.add_(1)
+        for tn in names:
+            opts[tn].step_({k: rows[tn][k] for k in names[tn]}, g[tn], states[tn], count=count, per_client=True,
+                           scale=scales.get(tn))
+        if project is not None:
+            with torch.no_grad():
+                for tn, leaves in project({tn: dict(tree) for tn, tree in t.items()}).items():
+                    for k, v in leaves.items():
+                        if k in mutable.get(tn, ()):
+                            t[tn][k].copy_(v)  # finished rows restored below
+                        else:
+                            select_(t[tn][k], v, t[tn][k])
+
+        with torch.no_grad():
+            for tn, ks in mutable.items():
+                for k in ks:
+                    select_(t[tn][k], t[tn][k], before[tn][k])
+            for tn in names:
+                for s, old in zip(states[tn], before_states[tn]):
+                    for slot, bufs in s.items():
+                        for k, b in bufs.items():
+                            select_(b, b, old[slot][k])
 
     def _chunks(self, m: int) -> list[slice]:
         """Consecutive row ranges of at most ``train.stack_clients`` rows (one range when unset)."""
