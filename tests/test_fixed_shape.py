@@ -103,3 +103,73 @@ def test_static_steps_equal_eager_and_allocate_once(fed_data):
     assert second[0] == third[0] and second[1] == third[1]  # the same buffer objects, no new allocation
     assert set(first[0]) == set(second[0])
     assert third[2], "no graph (plain call) after 3 rounds"
+
+
+# ----- the pieces, without a run --------------------------------------------------------------
+def _masked_step_on(w0: torch.Tensor, active: torch.Tensor, sample_w: torch.Tensor):
+    """One ``_masked_step`` of SGD with momentum on the loss ``sum(w^2) * sum(b) / sum(b)`` (0/0,
+    i.e. NaN, on a row whose batch weights are all 0)."""
+    from types import SimpleNamespace
+
+    from torch.func import vmap
+
+    from medpfl.fl.optim import sgd
+    from medpfl.fl.stacked import StackedExecutor
+
+    ex = StackedExecutor.__new__(StackedExecutor)
+    ex.train = TrainConfig()
+    t = {"model": {"w": w0.clone()}}
+    opts = {"model": sgd(0.1, momentum=0.9)}
+    states = {"model": opts["model"].init(t["model"])}
+    loss_fn = vmap(lambda tr, c, b: (tr["model"]["w"] ** 2).sum() * b["w"].sum() / b["w"].sum(), in_dims=(0, None, 0))
+    count = torch.zeros((), dtype=torch.int64)
+    ex._masked_step(SimpleNamespace(name="toy"), SimpleNamespace(name="local", trainable={"model": "all"}), t, {},
+                    states, {"w": sample_w}, active, {"model": ["w"]}, [("model", "w")], {"model": ["w"]}, opts, count,
+                    {}, loss_fn, None)
+    return t["model"]["w"], states["model"], count
+
+
+def test_a_finished_row_is_restored_even_when_its_loss_is_nan():
+    """The finished row (weights 0: its loss 0/0) keeps its parameters and its momentum buffer
+    bit for bit; the active rows take the SGD step; a mask multiplied in would spread the NaN."""
+    w0 = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    active = torch.tensor([True, False, True])
+    sample_w = torch.tensor([[0.5, 0.5], [0.0, 0.0], [1.0, 0.0]])
+    w, state, count = _masked_step_on(w0, active, sample_w)
+    assert torch.equal(w[1], w0[1])
+    trace = state[0]["trace"]["w"]
+    assert torch.equal(trace[1], torch.zeros(2))
+    torch.testing.assert_close(w[[0, 2]], w0[[0, 2]] - 0.1 * 2 * w0[[0, 2]])
+    assert torch.isfinite(w).all() and torch.isfinite(trace).all()
+    assert int(count) == 1
+
+
+def test_static_step_buffers_warm_up_capture_and_replay():
+    """_StaticStep on the CPU: buffers allocated on the first load only (a new shape reallocates
+    and drops the graph), 2 eager warm-up steps then the (plain-call) graph replayed, and a
+    change of the phase's baked-in constants drops the graph."""
+    from types import SimpleNamespace
+
+    from medpfl.fl.stacked import _PlainCall, _StaticStep
+
+    st = _StaticStep(("toy", "local", 3, 4), torch.device("cpu"), capture=False)
+    a = st.load("trees", {"m": {"w": torch.ones(3, 2)}, "x": [torch.zeros(3)]})
+    b = st.load("trees", {"m": {"w": torch.full((3, 2), 2.0)}, "x": [torch.ones(3)]})
+    assert a["m"]["w"] is b["m"]["w"] and a["x"][0] is b["x"][0] and st.allocations == 2
+    assert torch.equal(b["m"]["w"], torch.full((3, 2), 2.0))
+    calls, eager = [], []
+    st.check_signature(("sgd", 0.9))
+    for _ in range(4):
+        st.run(lambda: calls.append(1), SimpleNamespace(name="toy"), SimpleNamespace(name="local"),
+               lambda: eager.append(1))
+    assert len(calls) == 4 and len(eager) == 2 and isinstance(st.graph, _PlainCall)
+    st.check_signature(("sgd", 0.9))
+    assert st.graph is not None
+    st.check_signature(("sgd", 0.5))
+    assert st.graph is None and st.warmed == 0
+    st.run(lambda: None, SimpleNamespace(name="toy"), SimpleNamespace(name="local"), lambda: None)
+    st.run(lambda: None, SimpleNamespace(name="toy"), SimpleNamespace(name="local"), lambda: None)
+    st.run(lambda: None, SimpleNamespace(name="toy"), SimpleNamespace(name="local"), lambda: None)
+    assert st.graph is not None
+    st.load("trees", {"m": {"w": torch.ones(4, 2)}, "x": [torch.zeros(3)]})  # another shape
+    assert st.graph is None and st.allocations == 3

@@ -24,6 +24,8 @@ phase with an ``until`` rule) runs on the sequential executor.
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 from typing import Any
 
 import numpy as np
@@ -36,6 +38,8 @@ from medpfl.fl.executors import SequentialExecutor, _grad
 from medpfl.fl.optim import relayout_leaf_, rows as state_rows
 from medpfl.fl.program import Download, Pass, Phase, RoundInfo, pass_plan, phase_plan
 from medpfl.fl.tree import tree_clone, tree_index, tree_leaves, tree_map
+
+log = logging.getLogger(__name__)
 
 
 def _tree_cat(parts: list[Any]) -> Any:
@@ -168,6 +172,43 @@ def _to_device(plans: list[_Plan], device: torch.device) -> list[_Plan]:
     return plans
 
 
+def _numbers(fn: Any, depth: int = 2) -> tuple:
+    """The Python numbers and strings a callable closes over (its closure cells, a partial's
+    arguments, a bound method's ``__self__`` is not walked), ``depth`` levels into nested callables."""
+    out: list = []
+    if fn is None or depth < 0:
+        return ()
+    if isinstance(fn, functools.partial):
+        vals = [*fn.args, *fn.keywords.values()]
+        fn = fn.func
+    else:
+        vals = []
+    fn = getattr(fn, "__func__", fn)
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            vals.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            continue
+    for v in vals:
+        if isinstance(v, (bool, int, float, str)):
+            out.append(v)
+        elif callable(v) and not isinstance(v, torch.Tensor):
+            out.append(_numbers(v, depth - 1))
+    return tuple(out)
+
+
+def _phase_signature(ph: Phase, opts: dict, loss_fn: Any) -> tuple:
+    """What a captured step bakes in as Python numbers, beyond the buffers it reads: the phase's
+    optimizer chains less their final scale (``-lr`` is a device scalar, written every phase) and
+    the numbers in the closures of its objective, projection and vmapped loss. A change (a
+    round-dependent coefficient in a closure) makes :class:`_StaticStep` capture again. Numbers a
+    method reads from its own attributes are not seen: such a number must reach the objective
+    through the context (a tensor) when it changes between rounds."""
+    chains = tuple((tn, str(c.transforms[:-1] if c.final_scale is not None else c.transforms))
+                   for tn, c in sorted(opts.items()))
+    return chains, _numbers(ph.loss), _numbers(ph.project), _numbers(loss_fn)
+
+
 class _PlainCall:
     """The stand-in for a captured graph where there is no capture (CPU, tests): ``replay()``
     calls the step."""
@@ -230,6 +271,14 @@ class _StaticStep:
             self.graph, self.warmed = None, 0  # a captured graph reads the old buffers
         buf.copy_(x)
         return buf
+
+    def check_signature(self, signature: tuple) -> None:
+        """Drop the graph (the next steps warm up and capture again) when the Python numbers the
+        step bakes in changed since it was captured (:func:`_phase_signature`)."""
+        if signature != getattr(self, "signature", signature) and self.graph is not None:
+            log.info("train.cuda_graphs: %s: the phase's constants changed; capturing its step again", self.key)
+            self.graph, self.warmed = None, 0
+        self.signature = signature
 
     def save(self, name: str, tree: Any, path: tuple | None = None) -> None:
         """Register the tensors of ``tree`` as the buffers under ``name`` (after a warm-up step
@@ -469,10 +518,9 @@ class StackedExecutor(SequentialExecutor):
         mutable = {tn: [k for k in tree if k in names.get(tn, ()) or k in buffers] for tn, tree in t.items()}
         steps_sorted = plan.steps_dev[plan.perm]  # int64 [m], sorted order (device op)
         labels = self.data.labels
-        sc_rows = {k: v for k, v in sc.items()}
 
         def gather_sctx(s: int) -> dict:
-            return self._gather_sctx(sc_rows, plan.pos[:, s], m) if sc_rows else {}
+            return self._gather_sctx(sc, plan.pos[:, s], m) if sc else {}
 
         st = None
         if self.static_steps:
@@ -481,6 +529,7 @@ class StackedExecutor(SequentialExecutor):
             if st is None:
                 st = self._static_cache[key] = _StaticStep(key, self.data.device,
                                                            capture=self._capture_on_device())
+            st.check_signature(_phase_signature(ph, opts, loss_fn))
             t, c, states = st.load("trees", t), st.load("ctx", c), st.load("states", states)
             sid = st.load("sid", sample_ids[:, 0])
             w = st.load("w", plan.weights[:, 0])
