@@ -48,13 +48,36 @@ def test_a_cpu_device_is_refused_at_the_run(fed_data):
 
 
 # ----- on a real GPU ------------------------------------------------------------------------
-def _cuda_run(cuda_data, method: str, graphs: bool):
-    """(engine, result) of three rounds of ``method`` on the stacked executor on CUDA."""
+def _cuda_run(cuda_data, method: str, graphs: bool, monkeypatch=None):
+    """(engine, result, number of strict local-step contexts) of three rounds of ``method`` on the
+    stacked executor on CUDA. With ``monkeypatch``: once every static step of the executor has
+    been captured, the local steps (replays and their input copies) run under
+    ``torch.cuda.set_sync_debug_mode("error")`` (the capture itself synchronises, as
+    ``torch.cuda.graph`` does)."""
     algo = make_algo(method, model="cnn4", model_args=ZOO["cnn4"].tiny_args, device=cuda_data.device)
     train = TrainConfig(rounds=3, participation=0.6, local_epochs=1, batch_size=16, checkpoint_every=0, device="cuda",
                         model="cnn4", model_args=ZOO["cnn4"].tiny_args, executor="stacked", cuda_graphs=graphs)
     eng = Engine(algo, cuda_data, train, EvalConfig(every=1), seed=1, executor_kind="stacked", fingerprint="graphs")
-    return eng, eng.run()
+    strict_calls = []
+    if monkeypatch is not None:
+        ex = eng.clients.executor
+
+        @contextlib.contextmanager
+        def strict():
+            cache = ex.__dict__.get("_static_cache", {})
+            if not cache or any(st.graph is None for st in cache.values()):
+                yield
+                return
+            strict_calls.append(1)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                yield
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        monkeypatch.setattr(stacked, "local_steps", strict)
+    return eng, eng.run(), len(strict_calls)
 
 
 @pytest.fixture(scope="module")
@@ -75,27 +98,12 @@ def cuda_data(synthetic_processed):
 def test_cuda_graphs_match_the_eager_stacked_run(cuda_data, method, monkeypatch):
     """Captured and replayed local steps give the eager stacked run's records (same views and
     clients; accuracies within a sample or two: the fixed-shape batched kernels sum in another
-    order than the shrinking ones), a graph per phase was captured and replayed, and from the
-    second round on the local steps (replays and their input copies) run without a host
+    order than the shrinking ones), a graph per phase was captured and replayed, and once every
+    phase is captured the local steps (replays and their input copies) run without a host
     synchronisation (``torch.cuda.set_sync_debug_mode("error")``)."""
-    _, ref = _cuda_run(cuda_data, method, graphs=False)
-    calls = {"n": 0}
-
-    @contextlib.contextmanager
-    def strict():
-        calls["n"] += 1
-        if calls["n"] == 1:  # the first round warms up and captures (torch.cuda.graph synchronises)
-            yield
-            return
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            yield
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-
-    monkeypatch.setattr(stacked, "local_steps", strict)
-    eng, got = _cuda_run(cuda_data, method, graphs=True)
+    _, ref, _ = _cuda_run(cuda_data, method, graphs=False)
+    eng, got, strict = _cuda_run(cuda_data, method, graphs=True, monkeypatch=monkeypatch)
+    assert strict >= 1, "no round ran on captured graphs only"
     cache = eng.clients.executor.__dict__.get("_static_cache", {})
     assert cache and all(isinstance(st.graph, torch.cuda.CUDAGraph) for st in cache.values()), cache
     a, b = ref.records, got.records

@@ -585,7 +585,10 @@ class StackedExecutor(SequentialExecutor):
                               for s in states[tn]] for tn in names}
         rows = {tn: {k: (v.detach().requires_grad_() if k in names.get(tn, ()) else v) for k, v in tree.items()}
                 for tn, tree in t.items()}
-        with self.autocast():
+        # a captured step cannot use autocast's cache of casts (torch.cuda.graph's notes): off there
+        amp = (torch.autocast(self.data.device.type, dtype=torch.bfloat16, cache_enabled=False)
+               if self.train.precision == "bf16" and self.static_steps else self.autocast())
+        with amp:
             loss = loss_fn(rows, c, batch).sum()
         grads = _grad(algo, ph, loss, [rows[tn][k] for tn, k in flat])
         g: dict[str, dict[str, torch.Tensor]] = {tn: {} for tn in names}
