@@ -171,5 +171,9 @@ def test_static_step_buffers_warm_up_capture_and_replay():
     st.run(lambda: None, SimpleNamespace(name="toy"), SimpleNamespace(name="local"), lambda: None)
     st.run(lambda: None, SimpleNamespace(name="toy"), SimpleNamespace(name="local"), lambda: None)
     assert st.graph is not None
+    st.begin_phase()
+    st.load("trees", {"m": {"w": torch.ones(3, 2)}})  # an entry less: the graph read "x" too
+    st.run(lambda: None, SimpleNamespace(name="toy"), SimpleNamespace(name="local"), lambda: None)
+    assert st.graph is None and st.warmed == 1
     st.load("trees", {"m": {"w": torch.ones(4, 2)}, "x": [torch.zeros(3)]})  # another shape
     assert st.graph is None and st.allocations == 3

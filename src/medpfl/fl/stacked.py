@@ -251,6 +251,13 @@ class _StaticStep:
         self.allocations = 0
         self.warmed = 0
         self.graph: Any = None
+        self.loaded: set[tuple] = set()  # the buffer paths loaded in the current phase
+        self.graph_paths: frozenset[tuple] = frozenset()  # ... when the graph was captured
+
+    def begin_phase(self) -> None:
+        """Start a phase's loads (:meth:`load`); a graph captured over other buffer paths (a tree
+        or context entry that came or went) is dropped at the next :meth:`run`."""
+        self.loaded = set()
 
     def load(self, name: str, tree: Any) -> Any:
         """``tree`` (nested dicts / lists of tensors) copied into this step's buffers under
@@ -264,6 +271,7 @@ class _StaticStep:
             return type(x)(self._into(path + (i,), v) for i, v in enumerate(x))
         if not isinstance(x, torch.Tensor):
             return x
+        self.loaded.add(path)
         buf = self.store.get(path)
         if buf is None or buf.shape != x.shape or buf.dtype != x.dtype or buf.device != x.device:
             buf = self.store[path] = torch.empty_like(x)
@@ -296,6 +304,8 @@ class _StaticStep:
     def run(self, step: Any, algo: Algorithm, ph: Phase, after_eager: Any) -> None:
         """One real step: eager (warm-up; then ``after_eager()``), or a replay of the graph,
         captured first if need be."""
+        if self.graph is not None and self.loaded != self.graph_paths:
+            self.graph, self.warmed = None, 0
         if self.graph is None and self.warmed < self.warmup:
             if self.capture:
                 side = torch.cuda.Stream(self.device)
@@ -310,6 +320,7 @@ class _StaticStep:
             return
         if self.graph is None:
             self.graph = self._capture(step, algo, ph) if self.capture else _PlainCall(step)
+            self.graph_paths = frozenset(self.loaded)
         self.graph.replay()
 
     def _capture(self, step: Any, algo: Algorithm, ph: Phase) -> Any:
@@ -530,6 +541,7 @@ class StackedExecutor(SequentialExecutor):
                 st = self._static_cache[key] = _StaticStep(key, self.data.device,
                                                            capture=self._capture_on_device())
             st.check_signature(_phase_signature(ph, opts, loss_fn))
+            st.begin_phase()
             t, c, states = st.load("trees", t), st.load("ctx", c), st.load("states", states)
             sid = st.load("sid", sample_ids[:, 0])
             w = st.load("w", plan.weights[:, 0])
