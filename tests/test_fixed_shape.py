@@ -6,7 +6,7 @@ float tolerance (:func:`tests.test_contract.assert_runs_agree`'s defaults: the a
 same arithmetic, only batched kernels of another size, i.e. fp32 summation order; the lone tail
 client of the shrinking path runs unbatched).
 
-Also the static-step layer of ``train.cuda_graphs`` (:class:`medpfl.fl.stacked._StaticStep`)
+Also the static-step layer of ``train.cuda_graphs`` (:class:`medpfl.fl.graphs._StaticStep`)
 with the capture replaced by a plain call: same records over 2 rounds, buffers allocated in the
 first round only."""
 
@@ -150,7 +150,7 @@ def test_static_step_buffers_warm_up_capture_and_replay():
     change of the phase's baked-in constants drops the graph."""
     from types import SimpleNamespace
 
-    from medpfl.fl.stacked import _PlainCall, _StaticStep
+    from medpfl.fl.graphs import _PlainCall, _StaticStep
 
     st = _StaticStep(("toy", "local", 3, 4), torch.device("cpu"), capture=False)
     a = st.load("trees", {"m": {"w": torch.ones(3, 2)}, "x": [torch.zeros(3)]})
