@@ -12,6 +12,7 @@ first round only."""
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 import torch
 
@@ -20,6 +21,7 @@ from medpfl.fl.engine import Engine
 from medpfl.models import ZOO
 from tests.conftest import make_algo
 from tests.test_contract import COST, assert_runs_agree, model_for
+from tests.test_device_placement import emu_data  # noqa: F401  (a fixture)
 
 #: FedAvg, a proximal term (FedProx), a shared teacher with a per-client clip (FedKPer), a
 #: personal model trained in a second tree (Ditto), a contrastive loss on per-client context
@@ -177,3 +179,21 @@ def test_static_step_buffers_warm_up_capture_and_replay():
     assert st.graph is None and st.warmed == 1
     st.load("trees", {"m": {"w": torch.ones(4, 2)}, "x": [torch.zeros(3)]})  # another shape
     assert st.graph is None and st.allocations == 3
+
+
+@pytest.mark.parametrize("flag", ["_fixed_shape_steps", "_static_steps"])
+@pytest.mark.parametrize("method", ["fedavg", "fedbn"])
+def test_fixed_shape_steps_on_the_emulated_device(emu_data, fed_data, method, flag, monkeypatch):
+    """The fixed-shape steps (eager, and on the static buffers) keep every tensor on the
+    accelerator and make no host synchronisation inside the local steps (the placement test's
+    emulated device, ``tests/test_device_placement.py``); the records are the CPU's in the same
+    mode."""
+    from medpfl.fl.stacked import StackedExecutor
+    from tests.test_device_placement import _emulated_round, _round, host_tensors
+
+    monkeypatch.setattr(StackedExecutor, flag, True)
+    res, mode = _emulated_round(emu_data, method, "stacked", monkeypatch)
+    left = host_tensors(res.server, "server") + host_tensors(res.client_states, "client_states")
+    assert not left, f"tensors on the CPU after the round: {left[:5]}"
+    assert mode.ops["local steps"] > 0
+    pd.testing.assert_frame_equal(res.records, _round(fed_data, method, "stacked", "cpu").records)
