@@ -17,7 +17,9 @@ and the step runs on views of those rows only (a client that has finished is not
 no compute is spent on it); a client's partial last batch of an epoch carries per-sample
 weights ``1/b`` on its ``b`` real samples and 0 on padding, and BatchNorm statistics use the real
 samples only. The per-client arithmetic is that of the sequential executor, up to float
-summation order. A method whose program cannot be vectorised (``not_stackable_because``, or a
+summation order. With ``train.cuda_graphs`` (or the private ``_fixed_shape_steps``) every step
+runs all m rows instead, finished clients masked and restored (:meth:`StackedExecutor._run_phase_fixed`),
+so that a step has one shape and can be captured (:mod:`medpfl.fl.graphs`). A method whose program cannot be vectorised (``not_stackable_because``, or a
 phase with an ``until`` rule) runs on the sequential executor.
 """
 
