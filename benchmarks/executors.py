@@ -14,6 +14,7 @@ sequential. Results go to stdout and to ``benchmarks/results/<host-device>.json`
     python benchmarks/executors.py                      # both parts, auto device
     python benchmarks/executors.py --part 1 --rounds 3
     python benchmarks/executors.py --precision bf16     # mixed precision (autocast) for training
+    python benchmarks/executors.py --part 1 --executors stacked stacked-fixed   # fixed-shape steps' cost
 """
 
 from __future__ import annotations
@@ -94,13 +95,17 @@ class GpuSampler:
 def run_one(data: FederatedData, executor: str, participation: float, rounds: int, epochs: int, precision: str) -> dict:
     cls, cfg = resolve_method("fedkper", {})
     algo = cls(cfg, make_forward(build_model("cnn4", 3, 8, 28).to("meta")), 8)
+    kind = "stacked" if executor == "stacked-fixed" else executor
     train = TrainConfig(rounds=rounds, participation=participation, local_epochs=epochs, batch_size=12,
-                        executor=executor, precision=precision, checkpoint_every=0)
+                        executor=kind, precision=precision, checkpoint_every=0)
     dev = data.device
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     with GpuSampler(dev) as gpu:
-        res = Engine(algo, data, train, EvalConfig(every=1, batch_size=4096), seed=1, executor_kind=executor).run()
+        eng = Engine(algo, data, train, EvalConfig(every=1, batch_size=4096), seed=1, executor_kind=kind)
+        if executor == "stacked-fixed":  # fixed-shape masked steps, eager (train.cuda_graphs's step shape)
+            eng.clients.executor._fixed_shape_steps = True
+        res = eng.run()
     rd = res.rounds.iloc[1:] if len(res.rounds) > 1 else res.rounds
     sizes = np.array([len(t) for t in data.client_train])
     samples = [sizes[[int(c) for c in s.split()]].sum() * epochs for s in rd["sampled_clients"]]
@@ -136,7 +141,8 @@ def main() -> None:
     ap.add_argument("--scale-rounds", type=int, default=2)
     ap.add_argument("--scale-epochs", type=int, default=0, help="local epochs in part 2 (default: --epochs)")
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
-    ap.add_argument("--executors", nargs="+", default=["sequential", "stacked"])
+    ap.add_argument("--executors", nargs="+", default=["sequential", "stacked"],
+                    help="sequential, stacked, stacked-fixed (the stacked executor's fixed-shape masked steps)")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--participation", type=float, nargs="+", default=[0.1, 1.0], help="part 1 participation rates")
     a = ap.parse_args()

@@ -153,8 +153,10 @@ def test_check_params_ok(tmp_path, capsys, synth):
     ({"train": {"rounds": "two"}}, ["train.rounds"]),
     ({"train": {"optimizer": {"lr": -1}}}, ["train.optimizer.lr"]),
     ({"seeds": [1, 1]}, ["seeds"]),
+    ({"train": {"cuda_graphs": True, "executor": "sequential"}}, ["train.cuda_graphs", "sequential"]),
+    ({"train": {"cuda_graphs": True, "executor": "stacked", "device": "cpu"}}, ["train.cuda_graphs", "device is cpu"]),
 ], ids=["unknown-method", "typo", "alpha-0", "clients-0", "participation-1.5", "rounds-0", "rounds-str", "lr<0",
-        "dup-seeds"])
+        "dup-seeds", "cuda-graphs-sequential", "cuda-graphs-cpu"])
 def test_check_params_rejects(tmp_path, capsys, synth, overrides, names):
     path = _params_file(tmp_path, synth, **overrides)
     err = _fails(capsys, ["check-params", path])

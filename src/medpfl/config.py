@@ -920,6 +920,12 @@ class TrainConfig(_Strict):
         None, ge=1, description="stacked executor: at most this many clients train (and are evaluated) at once; a "
                                 "round's clients run in consecutive chunks of this size (null: all at once). Bounds "
                                 "memory for large backbones; records equal the unchunked run within float tolerance")
+    cuda_graphs: bool = Field(
+        False, description="stacked executor on CUDA: fixed-shape local steps (every step runs all of a round's "
+                           "clients, finished ones masked) captured as CUDA graphs on buffers allocated once per run "
+                           "and replayed (docs/contract.md, 'Fixed-shape steps and CUDA graphs'); records equal the "
+                           "eager run within float tolerance. Needs executor auto or stacked, a CUDA device and a "
+                           "stackable method")
     deterministic: bool = Field(True, description="on CUDA: deterministic algorithms where torch has them "
                                                   "(warn_only), CUBLAS_WORKSPACE_CONFIG=:4096:8, cuDNN deterministic, "
                                                   "no cuDNN benchmark (medpfl.environment); no effect on a CPU")
@@ -960,8 +966,8 @@ class TrainConfig(_Strict):
     def _drop_later_defaults(self, handler):
         """Keys added after runs existed are not dumped at their default: a model without
         arguments dumps no ``model_args``, and ``deterministic: true``, the default
-        ``transform``, ``server_optimizer: null``, ``upload: []``, ``dp: null`` and
-        ``stack_clients: null`` are not dumped. The job
+        ``transform``, ``server_optimizer: null``, ``upload: []``, ``dp: null``,
+        ``stack_clients: null`` and ``cuda_graphs: false`` are not dumped. The job
         descriptions (and so the Snakemake params triggers and checkpoint fingerprints) of such
         runs stay as they were before these keys existed; a non-default value is dumped and
         re-runs exactly the jobs it applies to."""
@@ -981,7 +987,25 @@ class TrainConfig(_Strict):
                 out.pop("dp")
             if out.get("stack_clients", False) is None:
                 out.pop("stack_clients")
+            if out.get("cuda_graphs") is False:
+                out.pop("cuda_graphs")
         return out
+
+    @model_validator(mode="after")
+    def _cuda_graphs_needs_stacked_cuda(self) -> "TrainConfig":
+        """``cuda_graphs: true`` only with the stacked executor (``auto`` or ``stacked``) on a device
+        that can be CUDA (``auto``, ``cuda``, ``cuda:N``): a ValueError naming ``train.cuda_graphs``
+        otherwise (``medpfl check-params`` reports it). A method or model that cannot be stacked is
+        refused when the run starts (:func:`medpfl.fl.engine.make_executor`)."""
+        if self.cuda_graphs:
+            if self.executor == "sequential":
+                raise ValueError("train.cuda_graphs: true captures the stacked executor's local steps; "
+                                 "train.executor is sequential (the plain reference): set executor auto or stacked, "
+                                 "or cuda_graphs false")
+            if self.device == "cpu":
+                raise ValueError("train.cuda_graphs: true needs a CUDA device and train.device is cpu: set device "
+                                 "auto or cuda, or cuda_graphs false")
+        return self
 
     @field_validator("upload")
     @classmethod

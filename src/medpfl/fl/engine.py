@@ -97,6 +97,15 @@ def make_executor(kind: str, algo: Algorithm, data: FederatedData, train: TrainC
 
     # a model whose training step draws random masks (dropout) cannot run under vmap either
     model_why = getattr(getattr(algo, "forward", None), "not_stackable_because", None)
+    if getattr(train, "cuda_graphs", False):  # captures the stacked executor's steps: nothing else will do
+        why = (f"method {algo.name!r} cannot be stacked ({algo.not_stackable_because})" if not algo.stackable else
+               f"model {algo.forward.model_name!r} cannot be stacked ({model_why})" if model_why is not None else
+               f"the device is {data.device.type}, not CUDA" if data.device.type != "cuda" else
+               "train.executor is sequential" if kind == "sequential" else None)
+        if why is not None:
+            raise ValueError(f"train.cuda_graphs: true captures the stacked executor's local steps on CUDA, and {why}: "
+                             "set train.cuda_graphs: false")
+        kind = "stacked"
     if kind == "auto":
         kind = "stacked" if algo.stackable and model_why is None and data.device.type == "cuda" else "sequential"
     if kind == "stacked":

@@ -17,7 +17,9 @@ and the step runs on views of those rows only (a client that has finished is not
 no compute is spent on it); a client's partial last batch of an epoch carries per-sample
 weights ``1/b`` on its ``b`` real samples and 0 on padding, and BatchNorm statistics use the real
 samples only. The per-client arithmetic is that of the sequential executor, up to float
-summation order. A method whose program cannot be vectorised (``not_stackable_because``, or a
+summation order. With ``train.cuda_graphs`` (or the private ``_fixed_shape_steps``) every step
+runs all m rows instead, finished clients masked and restored (:meth:`StackedExecutor._run_phase_fixed`),
+so that a step has one shape and can be captured (:mod:`medpfl.fl.graphs`). A method whose program cannot be vectorised (``not_stackable_because``, or a
 phase with an ``until`` rule) runs on the sequential executor.
 """
 
@@ -35,6 +37,7 @@ from medpfl.algorithms.base import Algorithm
 from medpfl.fl.executors import SequentialExecutor, _grad
 from medpfl.fl.optim import relayout_leaf_, rows as state_rows
 from medpfl.fl.program import Download, Pass, Phase, RoundInfo, pass_plan, phase_plan
+from medpfl.fl.graphs import _StaticStep, _phase_signature
 from medpfl.fl.tree import tree_clone, tree_index, tree_leaves, tree_map
 
 
@@ -276,6 +279,10 @@ class StackedExecutor(SequentialExecutor):
         objective = ph.loss or algo.local_loss
         loss_fn = vmap(objective, in_dims=(0, cdims, 0))
         project = vmap(ph.project) if ph.project is not None else None
+        if self.fixed_shape:
+            t = self._run_phase_fixed(algo, ph, plan, t, c, sc, sample_ids, names, opts, states, count, scales,
+                                      loss_fn, project)
+            return t if plan.identity else tree_index(t, plan.inverse)
         labels = self.data.labels
         for s in range(plan.steps):
             a = plan.n_active[s]
@@ -317,6 +324,151 @@ class StackedExecutor(SequentialExecutor):
                             t[tn][k][:a].copy_(v)
         t = {tn: {k: v.detach().contiguous() for k, v in tree.items()} for tn, tree in t.items()}  # laid back
         return t if plan.identity else tree_index(t, plan.inverse)
+
+    # ----- fixed-shape steps and CUDA graphs (issue 32) --------------------------------------
+    #: private switch: fixed-shape masked steps without CUDA graphs (tests, benchmarks); on
+    #: whenever ``train.cuda_graphs`` is
+    _fixed_shape_steps = False
+    #: private switch: the static-step layer (buffers allocated once per run, graph cache) with
+    #: the capture replaced by a plain call, on any device (the CPU tests of that layer)
+    _static_steps = False
+
+    @property
+    def fixed_shape(self) -> bool:
+        """Every local step runs all m rows of the stack with an ``active`` mask (see
+        :meth:`_run_phase_fixed`): ``train.cuda_graphs``, or the private ``_fixed_shape_steps``."""
+        return bool(getattr(self.train, "cuda_graphs", False)) or self._fixed_shape_steps or self._static_steps
+
+    @property
+    def static_steps(self) -> bool:
+        """Steps run on per-run static buffers through :class:`_StaticStep` (captured as CUDA
+        graphs on a CUDA device with ``train.cuda_graphs``; a plain call otherwise)."""
+        return bool(getattr(self.train, "cuda_graphs", False)) or self._static_steps
+
+    def _run_phase_fixed(self, algo: Algorithm, ph: Phase, plan: _Plan, t: dict, c: dict, sc: dict,
+                         sample_ids: torch.Tensor, names: dict, opts: dict, states: dict, count: torch.Tensor,
+                         scales: dict, loss_fn: Any, project: Any) -> dict:
+        """The phase's steps with a fixed shape: every step runs all m rows (sorted order, as
+        ``plan``) whatever the number of clients still training. ``active`` (bool [m]) is
+        ``steps_k > s`` computed on the device from the step counter ``count`` (0-dim int64, no
+        host read); a finished client's batch is its padded row (weights 0), its gradient is
+        computed and discarded: its parameters, BatchNorm buffers and optimizer buffers are
+        restored with ``torch.where`` after the step (a selection, so a NaN in a discarded row
+        cannot leak; never a multiplication by the mask). The active rows see the arithmetic of
+        the shrinking path (same batches, weights, counts and lr); only the batched kernels'
+        sizes differ, i.e. fp32 summation order. Returns the trees (sorted rows), laid back
+        contiguous, new tensors (never the static buffers)."""
+        m, bs = sample_ids.shape[0], sample_ids.shape[2]
+        flat = [(tn, k) for tn in names for k in names[tn]]
+        buffers = set(algo.forward.buffers)
+        # what a step may change in place: the trained leaves and the BatchNorm buffers of every tree
+        mutable = {tn: [k for k in tree if k in names.get(tn, ()) or k in buffers] for tn, tree in t.items()}
+        steps_sorted = plan.steps_dev[plan.perm]  # int64 [m], sorted order (device op)
+        labels = self.data.labels
+
+        def gather_sctx(s: int) -> dict:
+            return self._gather_sctx(sc, plan.pos[:, s], m) if sc else {}
+
+        st = None
+        if self.static_steps:
+            key = (algo.name, ph.name, m, bs)
+            st = self.__dict__.setdefault("_static_cache", {}).get(key)
+            if st is None:
+                st = self._static_cache[key] = _StaticStep(key, self.data.device,
+                                                           capture=self._capture_on_device())
+            st.check_signature(_phase_signature(ph, opts, loss_fn))
+            st.begin_phase()
+            t, c, states = st.load("trees", t), st.load("ctx", c), st.load("states", states)
+            sid = st.load("sid", sample_ids[:, 0])
+            w = st.load("w", plan.weights[:, 0])
+            active = st.load("active", steps_sorted > count)
+            sbatch = st.load("sctx", gather_sctx(0))
+        else:
+            sid, w, active, sbatch = sample_ids[:, 0], plan.weights[:, 0], steps_sorted > count, gather_sctx(0)
+
+        def step() -> None:
+            batch = {"x": self.data.x(sid), "y": labels[sid], "w": w, **sbatch}
+            self._masked_step(algo, ph, t, c, states, batch, active, names, flat, mutable, opts, count, scales,
+                              loss_fn, project)
+
+        for s in range(plan.steps):
+            if st is None:
+                if s:
+                    sid, w, active, sbatch = sample_ids[:, s], plan.weights[:, s], steps_sorted > count, gather_sctx(s)
+                step()
+                continue
+            if s:  # the step's inputs into the static buffers: device-to-device copies
+                sid.copy_(sample_ids[:, s])
+                w.copy_(plan.weights[:, s])
+                torch.gt(steps_sorted, count, out=active)
+                for k, v in gather_sctx(s).items():
+                    sbatch[k].copy_(v)
+            st.run(step, algo, ph, lambda: (st.save("trees", t), st.save("states", states)))
+        return {tn: {k: v.detach().clone(memory_format=torch.contiguous_format) for k, v in tree.items()}
+                for tn, tree in t.items()}
+
+    def _capture_on_device(self) -> bool:
+        """Real CUDA-graph capture: ``train.cuda_graphs`` on a CUDA device (else a plain call)."""
+        return bool(getattr(self.train, "cuda_graphs", False)) and torch.device(self.data.device).type == "cuda"
+
+    def _masked_step(self, algo: Algorithm, ph: Phase, t: dict, c: dict, states: dict, batch: dict,
+                     active: torch.Tensor, names: dict, flat: list, mutable: dict, opts: dict, count: torch.Tensor,
+                     scales: dict, loss_fn: Any, project: Any) -> None:
+        """One fixed-shape step on all m rows of the stacks ``t`` (in place): forward, one
+        ``autograd.grad`` of the summed loss, the optimizer on every row, the projection, then
+        the rows where ``active`` (bool [m]) is False put back as they were before the step
+        (``torch.where``: parameters, BatchNorm buffers, optimizer buffers). Increments
+        ``count``. Device ops only: what a CUDA graph captures."""
+        m = active.shape[0]
+
+        def keep(x: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+
+        def select_(dst: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> None:
+            # dst <- new on the active rows, old on the others (a selection: NaN-safe)
+            dst.copy_(torch.where(active.view(m, *([1] * (dst.dim() - 1))), new, old))
+
+        before = {tn: {k: keep(t[tn][k]) for k in ks} for tn, ks in mutable.items()}
+        before_states = {tn: [{slot: {k: keep(b) for k, b in bufs.items()} for slot, bufs in s.items()}
+                              for s in states[tn]] for tn in names}
+        rows = {tn: {k: (v.detach().requires_grad_() if k in names.get(tn, ()) else v) for k, v in tree.items()}
+                for tn, tree in t.items()}
+        # a captured step cannot use autocast's cache of casts (torch.cuda.graph's notes): off there
+        amp = (torch.autocast(self.data.device.type, dtype=torch.bfloat16, cache_enabled=False)
+               if self.train.precision == "bf16" and self.static_steps else self.autocast())
+        with amp:
+            loss = loss_fn(rows, c, batch).sum()
+        grads = _grad(algo, ph, loss, [rows[tn][k] for tn, k in flat])
+        g: dict[str, dict[str, torch.Tensor]] = {tn: {} for tn in names}
+        for (tn, k), gk in zip(flat, grads):
+            g[tn][k] = gk
+            moved = _like_grad(t[tn][k], gk)
+            if moved is not None:  # once per run on the static buffers (see _StaticStep.save), once per phase else
+                t[tn][k] = moved
+                rows[tn][k] = moved
+                relayout_leaf_(states[tn], k, lambda b, gk=gk: _like_grad(b, gk))
+        count.add_(1)
+        for tn in names:
+            opts[tn].step_({k: rows[tn][k] for k in names[tn]}, g[tn], states[tn], count=count, per_client=True,
+                           scale=scales.get(tn))
+        if project is not None:
+            with torch.no_grad():
+                for tn, leaves in project({tn: dict(tree) for tn, tree in t.items()}).items():
+                    for k, v in leaves.items():
+                        if k in mutable.get(tn, ()):
+                            t[tn][k].copy_(v)  # finished rows restored below
+                        else:
+                            select_(t[tn][k], v, t[tn][k])
+
+        with torch.no_grad():
+            for tn, ks in mutable.items():
+                for k in ks:
+                    select_(t[tn][k], t[tn][k], before[tn][k])
+            for tn in names:
+                for s, old in zip(states[tn], before_states[tn]):
+                    for slot, bufs in s.items():
+                        for k, b in bufs.items():
+                            select_(b, b, old[slot][k])
 
     def _chunks(self, m: int) -> list[slice]:
         """Consecutive row ranges of at most ``train.stack_clients`` rows (one range when unset)."""
