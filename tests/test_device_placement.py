@@ -154,8 +154,17 @@ def test_a_host_read_in_the_stacked_step_loop_fails(emu_data, monkeypatch):
     monkeypatch.setattr(stacked.StackedExecutor, "_gather_sctx", reads)
     with pytest.raises(HostSyncError, match="value read on the host"):
         _emulated_round(emu_data, "fedavg", "stacked", monkeypatch)
-    _, mode = _emulated_round(emu_data, "fedavg", "sequential", monkeypatch)  # the sequential executor may read
-    assert mode.syncs[("outside", "value read on the host")] > 0
+    monkeypatch.setattr(stacked.StackedExecutor, "_gather_sctx", real)
+    plans = stacked.StackedExecutor._phase_plans
+
+    def reads_before(self, *args):  # after the plans' one copy, before the first local step
+        out = plans(self, *args)
+        int(out[0].pos.sum())
+        return out
+
+    monkeypatch.setattr(stacked.StackedExecutor, "_phase_plans", reads_before)
+    _, mode = _emulated_round(emu_data, "fedavg", "stacked", monkeypatch)
+    assert mode.syncs[("outside", "value read on the host")] >= 1
 
 
 # ----- host synchronisations of a round outside local training --------------------------------
