@@ -134,6 +134,21 @@ def count_round(processed, table, method: str, executor: str, batch_size: int) -
                            for (r, k, site), n in sorted(mode.sites.items())]}
 
 
+def write_entry(args: argparse.Namespace, key: str, rows: list[dict]) -> None:
+    """Write one labelled entry (``args.label``; the commit, torch version, ``args.clients``,
+    ``args.batch_size`` and ``rows`` under ``key``) to the JSON file ``args.out``: ``{"entries":
+    [...]}``, replacing an entry of the same label when ``args.merge``, else the file's only entry.
+    Shared by this benchmark and ``benchmarks/kernel_counts.py``."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    entry = {"label": args.label, "commit": commit, "torch": torch.__version__, "clients": args.clients,
+             "batch_size": args.batch_size, key: rows}
+    old = json.loads(args.out.read_text()) if args.merge and args.out.exists() else {"entries": []}
+    old["entries"] = [e for e in old["entries"] if e["label"] != args.label] + [entry]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(old, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--methods", nargs="+", default=["fedavg", "fedkper"])
@@ -154,14 +169,7 @@ def main() -> None:
                       f"{r['syncs_local_training']:4d} (in local steps {r['syncs_in_local_steps']}), rest of the round "
                       f"{r['syncs_rest_of_round']:4d} (run set-up {r['syncs_run_setup']}); ops/step {r['ops_per_step']}")
                 rows.append(r)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    entry = {"label": args.label, "commit": commit, "torch": torch.__version__, "clients": args.clients,
-             "batch_size": args.batch_size, "rounds": rows}
-    old = json.loads(args.out.read_text()) if args.merge and args.out.exists() else {"entries": []}
-    old["entries"] = [e for e in old["entries"] if e["label"] != args.label] + [entry]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(old, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_entry(args, "rounds", rows)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,6 @@ allocations, which launch nothing on a GPU: ops whose schema is a view, ``detach
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -38,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import medpfl.fl.optim as optim
 import medpfl.fl.stacked as stacked
-from benchmarks.host_syncs import _data
+from benchmarks.host_syncs import _data, write_entry
 from medpfl.config import EvalConfig, OptimizerConfig, TrainConfig
 from medpfl.fl.data import FederatedData
 from medpfl.fl.engine import Engine
@@ -97,19 +95,16 @@ def count_round(processed, table, run: tuple, batch_size: int) -> dict:
         steps["n"] += 1
         return real_autocast(self)
 
-    def phase(*a, **kw):
-        prev, mode.region = mode.region, "forward+backward"
-        try:
-            return real_phase(*a, **kw)
-        finally:
-            mode.region = prev
+    def in_region(region, fn):  # ops inside fn count to region (the optimizer's step nests in the phase)
+        def wrapped(*a, **kw):
+            prev, mode.region = mode.region, region
+            try:
+                return fn(*a, **kw)
+            finally:
+                mode.region = prev
+        return wrapped
 
-    def step(*a, **kw):
-        prev, mode.region = mode.region, "optimizer"
-        try:
-            return real_step(*a, **kw)
-        finally:
-            mode.region = prev
+    phase, step = in_region("forward+backward", real_phase), in_region("optimizer", real_step)
 
     patches = [(SequentialExecutor, "autocast", autocast), (stacked.StackedExecutor, "_run_phase_stacked", phase),
                (optim.Chain, "step_", step)]
@@ -163,14 +158,7 @@ def main() -> None:
                   f"{r['kernels_per_step']['forward+backward']:7.2f}, optimizer {r['kernels_per_step']['optimizer']:6.2f}"
                   f"  (ops {r['ops_per_step']['forward+backward']:.2f} / {r['ops_per_step']['optimizer']:.2f})")
             rows.append(r)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    entry = {"label": args.label, "commit": commit, "torch": torch.__version__, "clients": args.clients,
-             "batch_size": args.batch_size, "runs": rows}
-    old = json.loads(args.out.read_text()) if args.merge and args.out.exists() else {"entries": []}
-    old["entries"] = [e for e in old["entries"] if e["label"] != args.label] + [entry]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(old, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_entry(args, "runs", rows)
 
 
 if __name__ == "__main__":
