@@ -37,7 +37,7 @@ coefficient broadcast over each leaf; torch's foreach fast path needs equal shap
 
 **Device scalars (stacked executor).** :meth:`Chain.step_` takes ``count`` as a Python int
 (sequential executor, FedBE) or as a 0-dim int64 tensor on the leaves' device, and the final
-scale (``-lr``) as a Python float or a 0-dim float32 tensor on that device (``scale=``). With
+scale (``-lr``) as a Python float or a 0-dim tensor of the leaves' dtype on that device (``scale=``). With
 tensors nothing per step is a Python number, so a step is the same kernels with the same
 arguments at every step and round (what CUDA-graph capture needs), and the lr of a new round is
 written into the tensor. The floats are the same: ``w += s*u`` with a 0-dim ``s`` is ``addcmul``,
@@ -100,7 +100,7 @@ class Transform:
 @dataclass(frozen=True)
 class ClipByGlobalNorm(Transform):
     """``u <- u * min(1, max_norm / (||u|| + 1e-6))`` with ``||u||`` the L2 norm over all leaves of
-    the tree (computed in float32), per client: ``torch.nn.utils.clip_grad_norm_`` (its 1e-6
+    the tree (computed in float32; float64 for float64 leaves), per client: ``torch.nn.utils.clip_grad_norm_`` (its 1e-6
     included; PyTorch docs). FedKPer's ``clip_grad_norm``, FedKD's (PFLlib) per-model clip."""
 
     max_norm: float
@@ -176,21 +176,23 @@ class ScaleByAdam(Transform):
         return {"mu": {k: torch.zeros_like(p) for k, p in params.items()},
                 "nu": {k: torch.zeros_like(p) for k, p in params.items()}}
 
-    def bias_corrections(self, count: Count) -> tuple[float, float] | tuple[torch.Tensor, torch.Tensor]:
+    def bias_corrections(self, count: Count, dtype: torch.dtype = torch.float32
+                         ) -> tuple[float, float] | tuple[torch.Tensor, torch.Tensor]:
         """``(1 - b1^t, sqrt(1 - b2^t))`` at step t = ``count``: Python floats (float64) for an
-        int; for a 0-dim integer tensor, 0-dim float32 tensors on its device, computed in float64
-        from it (device ops only) and rounded to float32, which is what a float32 kernel makes
-        of the Python floats (the same float32 values; ``tests/test_optim.py``)."""
+        int; for a 0-dim integer tensor, 0-dim tensors of ``dtype`` (the leaves' dtype) on its
+        device, computed in float64 from it (device ops only) and rounded to ``dtype``, which is
+        what a kernel of that dtype makes of the Python floats (float32: the same float32
+        values, ``tests/test_optim.py``; float64: the Python floats up to ``pow``'s rounding)."""
         if isinstance(count, torch.Tensor):
             t = count.to(torch.float64)
-            return ((1 - torch.pow(self.b1, t)).to(torch.float32),
-                    torch.sqrt(1 - torch.pow(self.b2, t)).to(torch.float32))
+            return ((1 - torch.pow(self.b1, t)).to(dtype),
+                    torch.sqrt(1 - torch.pow(self.b2, t)).to(dtype))
         return 1 - self.b1 ** count, (1 - self.b2 ** count) ** 0.5
 
     def update_(self, updates, state, params, *, count, per_client):
         us = list(updates.values())
         ms, vs = [state["mu"][k] for k in updates], [state["nu"][k] for k in updates]
-        bc1, bc2_sqrt = self.bias_corrections(count)
+        bc1, bc2_sqrt = self.bias_corrections(count, us[0].dtype if us else torch.float32)
         torch._foreach_lerp_(ms, us, 1 - self.b1)
         torch._foreach_mul_(vs, self.b2)
         torch._foreach_addcmul_(vs, us, us, value=1 - self.b2)
@@ -242,8 +244,9 @@ class Chain:
 
         ``count``: the step number within the phase (1-based): a Python int, or a 0-dim int64
         tensor on the leaves' device (the stacked executor's, incremented in place).
-        ``scale``: None, or the final :class:`Scale`'s factor (``-lr``) as a 0-dim float32
-        tensor on the leaves' device, applied as ``torch._foreach_addcmul_(w, u, scale)``
+        ``scale``: None, or the final :class:`Scale`'s factor (``-lr``) as a 0-dim tensor of
+        the leaves' dtype on their device (a float32 scale on float64 leaves would step with
+        the float32-rounded lr), applied as ``torch._foreach_addcmul_(w, u, scale)``
         (also rounded once: on the CPU the same floats as the Python factor). ``per_client``:
         the leaves carry a leading client dim [a, ...] (the clip's norm is per row).
         Raises ValueError when ``scale`` is given and the chain does not end in a
@@ -281,19 +284,21 @@ class Chain:
 
 
 def global_norm(leaves: list[torch.Tensor], per_client: bool = False) -> torch.Tensor:
-    """The L2 norm over all ``leaves`` (any float dtype; computed in float32): a 0-dim float32
-    tensor, or with ``per_client`` (leaves [a, ...], a leading client dim) float32 [a], the norm
+    """The L2 norm over all ``leaves`` (any float dtype; computed in float32, or in float64 when a
+    leaf is float64, as ``clip_grad_norm_`` computes in the leaves' dtype): a 0-dim tensor of
+    that dtype, or with ``per_client`` (leaves [a, ...], a leading client dim) [a], the norm
     of each row over all leaves. One ``torch._foreach_norm`` over the leaves (their rows with
     ``per_client``), then the norm of those norms: ``sqrt(sum_l ||u_l||^2)``. Equals the norm of
     the concatenated leaves up to float32 summation order (within 1e-6 relative,
     ``tests/test_optim.py``). Raises ValueError on an empty list."""
     if not leaves:
         raise ValueError("global_norm: no leaves")
+    dtype = torch.float64 if any(u.dtype == torch.float64 for u in leaves) else torch.float32
     if per_client:
         a = leaves[0].shape[0]
-        norms = torch._foreach_norm([r for u in leaves for r in u.unbind(0)], 2, dtype=torch.float32)
+        norms = torch._foreach_norm([r for u in leaves for r in u.unbind(0)], 2, dtype=dtype)
         return torch.linalg.vector_norm(torch.stack(norms).view(len(leaves), a), dim=0)
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(leaves, 2, dtype=torch.float32)))
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(leaves, 2, dtype=dtype)))
 
 
 def chain(*transforms: Transform | Chain) -> Chain:

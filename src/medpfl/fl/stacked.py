@@ -98,6 +98,17 @@ def _like_grad(stack: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
+def _leaf_dtype(tree: dict, names: Any) -> torch.dtype:
+    """The floating dtype of the trained leaves ``names`` of ``tree`` (float32 when none is
+    floating): the dtype of the step's ``-lr`` tensor, so that a float64 run steps with the
+    float64 lr, as the sequential executor's ``add_(u, alpha=-lr)`` does."""
+    for k in names:
+        v = tree[k]
+        if v.is_floating_point():
+            return v.dtype
+    return torch.float32
+
+
 def _pad_ids(groups: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Index sets (int64 [n_j] each, on one device) -> (ids int64 [m, L] padded with each set's
     first id, valid bool [m, L]), L = the longest set. Device ops only (no value is read on the
@@ -180,7 +191,9 @@ class StackedExecutor(SequentialExecutor):
         """A 0-dim tensor of ``dtype`` on the data's device, kept by the executor under ``key``
         (the same memory every phase and round; the caller writes its value in place with
         ``zero_``/``fill_``, device ops without a host synchronisation). The step loop's step
-        counter (``"count"``, int64) and each trained tree's final scale ``-lr`` (float32): no
+        counter (``"count"``, int64) and each trained tree's final scale ``-lr`` (the dtype of that
+        tree's trained leaves: float32, or float64 in a float64 run, as the sequential path's
+        Python float is rounded by the leaves' kernels): no
         Python number changes from one local step to the next (CUDA-graph capture, issue 32)."""
         store = self.__dict__.setdefault("_step_scalars", {})
         t = store.get(key)
@@ -274,7 +287,8 @@ class StackedExecutor(SequentialExecutor):
         states = {tn: opts[tn].init({k: t[tn][k] for k in names[tn]}) for tn in names}  # stacked [m, ...]
         # the step number and the lr as device tensors (optim.Chain.step_): the same kernel arguments every step
         count = self._step_scalar("count", torch.int64).zero_()
-        scales = {tn: self._step_scalar(f"scale/{tn}", torch.float32).fill_(opts[tn].final_scale)
+        # the scale in the leaves' dtype: -lr rounded as the sequential path's Python float is (float64 runs)
+        scales = {tn: self._step_scalar(f"scale/{tn}", _leaf_dtype(t[tn], names[tn])).fill_(opts[tn].final_scale)
                   for tn in names if opts[tn].final_scale is not None}
         objective = ph.loss or algo.local_loss
         loss_fn = vmap(objective, in_dims=(0, cdims, 0))
