@@ -15,7 +15,8 @@ The parts (each can be re-run alone and writes its own results file; ``benchmark
 2. ``executors``: the executors' throughput (``benchmarks/executors.py``'s round, measured
    harder: warm-up apart, >= 5 rounds per executor in alternating blocks, median and spread,
    samples/s, ms per client-step, peak memory; the m-sweep 2 -> 500 clients per round with a
-   line fit; eager against CUDA graphs, ``train.cuda_graphs``, capture time apart; not run on a CPU).
+   line fit; every client's model evaluated with a fixed batch against ``eval.memory_fraction``;
+   eager against CUDA graphs, ``train.cuda_graphs``, capture time apart; not run on a CPU).
 3. ``pfllib``: PFLlib's FedAvg beside medpfl's on the same clients and device
    (``../shared/tools/peer-pfllib``, carried with PFLlib's ``system/`` in ``.gpu/pfllib``); says
    so in its file when PFLlib was not carried.

@@ -191,6 +191,54 @@ def _engine_run(data, executor: str, participation: float, rounds: int, epochs: 
             "final_global_acc": float(g["accuracy"].iloc[-1]) if len(g) else None}
 
 
+def _eval_by_memory(data, repeats: int) -> dict:
+    """Every client's model (K copies of a cnn4, perturbed) on its local test split, stacked:
+    ``eval.batch_size`` 4096 samples per forward against ``eval.memory_fraction`` 0.5 (the
+    executor's ``evaluate_models``; median seconds of ``repeats`` calls after one warm-up, the
+    chosen (models, samples per model) and budget, peak memory; the counts must agree)."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    from medpfl.algorithms import resolve_method
+    from medpfl.config import TrainConfig
+    from medpfl.fl.functional import make_forward
+    from medpfl.fl.stacked import StackedExecutor
+    from medpfl.models import build_model
+
+    dev = data.device
+    cls, cfg = resolve_method("fedavg", {})
+    algo = cls(cfg, make_forward(build_model("cnn4", 3, 8, 28).to("meta")), 8)
+    torch.manual_seed(0)
+    one = {k: v.detach().to(dev) for k, v in build_model("cnn4", 3, 8, 28).named_parameters()}
+    k = data.num_clients
+    models = tree_map(lambda t: t.unsqueeze(0).expand(k, *t.shape) + 0.01 * torch.randn(k, *t.shape, device=dev), one)
+    out = {"clients": k, "test_samples": int(sum(len(g) for g in data.client_test)), "rows": []}
+    counts = {}
+    for label, frac in (("batch_size 4096", None), ("memory_fraction 0.5", 0.5)):
+        ex = StackedExecutor(data, TrainConfig(), seed=1, eval_batch_size=4096, eval_memory_fraction=frac)
+        got = ex.evaluate_models(algo, models, data.client_test)  # warm-up (and the probe)
+        counts[label] = got[0].sum().item()
+        times = []
+        reset_memory(dev)
+        for _ in range(repeats):
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            t = time.perf_counter()
+            ex.evaluate_models(algo, models, data.client_test)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            times.append(time.perf_counter() - t)
+        last = ex.eval_sizer.last
+        out["rows"].append({"mode": label, "eval_s": spread(times), "peak_memory": peak_memory(dev),
+                            "models_per_forward": last[0] if last else None,
+                            "samples_per_model_per_forward": last[1] if last else None,
+                            "budget_bytes": last[2] if last else None})
+    out["counts_equal"] = len(set(counts.values())) == 1
+    fixed, mem = (r["eval_s"].get("median") for r in out["rows"])
+    out["ratio_fixed_over_memory"] = fixed / mem if fixed and mem else None
+    return out
+
+
 def _summarise(ex: str, runs: list[dict], warm: dict) -> dict:
     rows = [r for run in runs for r in run["rows"]]
     train = [r["train_s"] for r in rows]
@@ -308,6 +356,17 @@ def part2_executors(ctx, checkpoint) -> dict:
                                                                  [r["train_s_per_round"]["median"] for r in ok]),
                             "unit": "seconds; slope: s per extra client per round, intercept: s per round at m=0"}
     out["m_sweep"] = sweep
+
+    # evaluation of every client's model: a fixed batch against batching by memory (eval.memory_fraction)
+    if ctx.remaining() >= 45:
+        try:
+            out["eval_by_memory"] = _eval_by_memory(data, 1 if dry else 5)
+        except oom_error() as e:
+            torch.cuda.empty_cache()
+            out["eval_by_memory"] = {"status": f"out of memory: {str(e)[:200]}"}
+    else:
+        out["eval_by_memory"] = {"status": "skipped: budget"}
+    checkpoint(out)
 
     # eager against CUDA graphs
     big = [r for r in out["fedkper_round"] if r["executor"] == "stacked"]

@@ -69,9 +69,9 @@ def test_evaluation_is_chunked_too(fed_data):
     sizes: list[int] = []
     real = ex._evaluate_stacked
 
-    def spy(algo, models, groups):
+    def spy(algo, models, groups, chunk):
         sizes.append(len(groups))
-        return real(algo, models, groups)
+        return real(algo, models, groups, chunk)
 
     ex._evaluate_stacked = spy
     got = ex.evaluate_models(algo, models, fed_data.client_test)

@@ -1036,7 +1036,25 @@ class TrainConfig(_Strict):
 
 class EvalConfig(_Strict):
     every: int = Field(1, ge=1, description="evaluate the global/personalized models every N rounds (and the last)")
-    batch_size: int = Field(1024, ge=1)
+    batch_size: int = Field(1024, ge=1, description="samples per evaluation forward (on the stacked executor: in all, "
+                                                    "over the models evaluated together); also the batch of the "
+                                                    "methods' passes and per-sample contexts")
+    memory_fraction: float | None = Field(
+        None, gt=0, le=0.9,
+        description="null (default): evaluation forwards take batch_size samples. A fraction f: the global and "
+                    "personalized models are evaluated with as many samples (and, stacked, models) per forward as fit "
+                    "in f of the device's free memory at that moment, from a probe of the run's model "
+                    "(medpfl.fl.memory; train.stack_clients does not apply to evaluation then). Counts are unchanged, "
+                    "losses equal within float tolerance; passes keep batch_size")
+
+    @model_serializer(mode="wrap")
+    def _drop_later_defaults(self, handler):
+        """``memory_fraction: null`` is not dumped: the job descriptions (Snakemake params
+        triggers, checkpoint fingerprints) of runs from before the key stay as they were."""
+        out = handler(self)
+        if isinstance(out, dict) and out.get("memory_fraction", False) is None:
+            out.pop("memory_fraction")
+        return out
 
 
 class ReportConfig(_Strict):

@@ -205,10 +205,20 @@ class LocalClients:
         val) split and, with ``personalized_global``, on the global test set."""
         data, bs, ids = self.data, self.eval_batch_size, self.clients
         out = EvalResult()
+        sizer = getattr(self.executor, "eval_sizer", None)
+
+        def batch(groups: list[torch.Tensor]) -> int:  # samples per forward of the global model on ``groups``
+            if sizer is None or not sizer.by_memory:
+                return bs
+            cat = torch.cat(groups)
+            return sizer.one(algo.predict, global_model, data.x, cat) if cat.numel() else 1
+
         if global_model is not None:
-            out.global_test = eval_groups(algo.predict, global_model, data, [data.client_test[c] for c in ids], bs)
+            groups = [data.client_test[c] for c in ids]
+            out.global_test = eval_groups(algo.predict, global_model, data, groups, batch(groups))
             if val:
-                out.global_val = eval_groups(algo.predict, global_model, data, [data.client_val[c] for c in ids], bs)
+                groups = [data.client_val[c] for c in ids]
+                out.global_val = eval_groups(algo.predict, global_model, data, groups, batch(groups))
         if personalized:
             ex = self.executor
             pm = self.personalized_models(algo, server, rnd)

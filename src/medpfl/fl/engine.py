@@ -89,7 +89,8 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
-def make_executor(kind: str, algo: Algorithm, data: FederatedData, train: TrainConfig, seed: int, eval_batch_size: int):
+def make_executor(kind: str, algo: Algorithm, data: FederatedData, train: TrainConfig, seed: int, eval_batch_size: int,
+                  eval_memory_fraction: float | None = None):
     """``auto`` picks the stacked executor on CUDA where the method and the model support it
     (a model with active dropout declares ``not_stackable_because``), else the sequential one (on a CPU the sequential executor is already compute-bound and the grouped
     convolutions of the stacked one are slower: see ``benchmarks/README.md``)."""
@@ -117,8 +118,8 @@ def make_executor(kind: str, algo: Algorithm, data: FederatedData, train: TrainC
                              f"({model_why}); use auto or sequential")
         from medpfl.fl.stacked import StackedExecutor
 
-        return StackedExecutor(data, train, seed, eval_batch_size)
-    return SequentialExecutor(data, train, seed, eval_batch_size)
+        return StackedExecutor(data, train, seed, eval_batch_size, eval_memory_fraction)
+    return SequentialExecutor(data, train, seed, eval_batch_size, eval_memory_fraction)
 
 
 def require_server_data(algo: Algorithm, data: FederatedData, partition: str = "<name>") -> None:
@@ -180,7 +181,7 @@ class Engine:
         self._attach_server_data()
         if self.clients is None:
             executor = make_executor(self.executor_kind, self.algo, self.data, self.train, self.seed,
-                                     self.eval.batch_size)
+                                     self.eval.batch_size, self.eval.memory_fraction)
             self.clients = LocalClients(self.data, executor, self.eval.batch_size)
         #: the executor of local training (None where the clients run elsewhere: a deployment)
         self.executor = getattr(self.clients, "executor", None)
@@ -434,7 +435,8 @@ class Engine:
         clients = list(range(k))
         gm = algo.global_model(server) if algo.has_global_model else None
         if gm is not None and len(data.global_test) > 0:  # a federated data set may have none (Synthetic)
-            out.add("global_test", [-1], eval_groups(algo.predict, gm, data, [data.global_test], bs))
+            gbs = self.executor.eval_sizer.one(algo.predict, gm, data.x, data.global_test) if self.executor else bs
+            out.add("global_test", [-1], eval_groups(algo.predict, gm, data, [data.global_test], gbs))
         res = cs.evaluate(algo, server, self.round_info(r), global_model=gm, personalized=algo.personalized,
                           val=self._has_val,
                           personalized_global=(r == self.train.rounds - 1 and not algo.has_global_model

@@ -21,6 +21,7 @@ from medpfl.algorithms.base import Algorithm
 from medpfl.config import TrainConfig
 from medpfl.fl.data import FederatedData
 from medpfl.fl.evaluation import eval_groups
+from medpfl.fl.memory import EvalSizer
 from medpfl.fl.optim import Chain, phase_optimizer
 from medpfl.fl.program import Download, Pass, Phase, RoundInfo, pass_plan, phase_plan, select
 from medpfl.fl.tree import tree_clone, tree_index, tree_map, tree_stack
@@ -43,11 +44,16 @@ class SequentialExecutor:
 
     name = "sequential"
 
-    def __init__(self, data: FederatedData, train: TrainConfig, seed: int, eval_batch_size: int):
+    def __init__(self, data: FederatedData, train: TrainConfig, seed: int, eval_batch_size: int,
+                 eval_memory_fraction: float | None = None):
         self.data = data
         self.train = train
         self.seed = seed
+        #: samples per forward of the passes and per-sample contexts (part of training) and, by
+        #: default, of evaluation
         self.eval_batch_size = eval_batch_size
+        #: how evaluation forwards are sized (``eval.memory_fraction``: by free memory)
+        self.eval_sizer = EvalSizer(eval_batch_size, eval_memory_fraction, data.device)
 
     def autocast(self):
         """bf16 autocast of the local objective when ``train.precision`` is bf16 (parameters,
@@ -234,9 +240,13 @@ class SequentialExecutor:
     def evaluate_models(self, algo: Algorithm, models: Any, groups: list[torch.Tensor]
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Model j (stacked, leading dim m) on index set ``groups[j]``.
-        Returns ``(correct [m, C], count [m, C], loss_sum [m])``."""
-        outs = [eval_groups(algo.predict, tree_index(models, j), self.data, [g], self.eval_batch_size)
-                for j, g in enumerate(groups)]
+        Returns ``(correct [m, C], count [m, C], loss_sum [m])``. Samples per forward:
+        :attr:`eval_sizer` (``eval.batch_size``, or by free memory)."""
+        outs = []
+        for j, g in enumerate(groups):
+            model = tree_index(models, j)
+            outs.append(eval_groups(algo.predict, model, self.data, [g],
+                                    self.eval_sizer.one(algo.predict, model, self.data.x, g) if len(g) else 1))
         return tuple(torch.cat([o[i] for o in outs]) for i in range(3))
 
     def personalized_models(self, algo: Algorithm, states: dict[str, Any], server: dict[str, Any]) -> Any:

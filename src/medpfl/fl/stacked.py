@@ -574,19 +574,28 @@ class StackedExecutor(SequentialExecutor):
     def evaluate_models(self, algo: Algorithm, models: Any, groups: list[torch.Tensor]
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Model j on ``groups[j]``, all models at once (or in chunks of ``train.stack_clients``
-        models), ``eval_batch_size`` samples per forward in all. Returns ``(correct [m, C],
-        count [m, C], loss_sum [m])`` (float64)."""
-        chunks = self._chunks(len(groups))
+        models), ``eval_batch_size`` samples per forward in all; with ``eval.memory_fraction``,
+        as many models and samples per forward as fit in that fraction of the free memory
+        (:class:`medpfl.fl.memory.EvalSizer`; ``train.stack_clients`` then does not apply).
+        Returns ``(correct [m, C], count [m, C], loss_sum [m])`` (float64)."""
+        m = len(groups)
+        if self.eval_sizer.by_memory:
+            mc, per = self.eval_sizer.stacked(algo.predict, models, self.data.x, groups)
+            chunks = [slice(a, min(a + mc, m)) for a in range(0, m, mc)] or [slice(0, 0)]
+        else:
+            chunks, per = self._chunks(m), None
         if len(chunks) == 1:
-            return self._evaluate_stacked(algo, models, groups)
+            return self._evaluate_stacked(algo, models, groups, per)
         dev = self.data.device
         outs = [self._evaluate_stacked(algo, tree_index(models, torch.arange(sl.start, sl.stop, device=dev)),
-                                       groups[sl]) for sl in chunks]
+                                       groups[sl], per) for sl in chunks]
         return tuple(torch.cat([o[i] for o in outs]) for i in range(3))
 
     @torch.no_grad()
-    def _evaluate_stacked(self, algo: Algorithm, models: Any, groups: list[torch.Tensor]
+    def _evaluate_stacked(self, algo: Algorithm, models: Any, groups: list[torch.Tensor], chunk: int | None
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The m models of ``models`` on ``groups``, ``chunk`` samples per model per forward
+        (None: ``eval_batch_size // m``)."""
         data, c = self.data, self.data.num_classes
         m = len(groups)
         ids, valid = _pad_ids(groups)
@@ -594,7 +603,7 @@ class StackedExecutor(SequentialExecutor):
         correct = torch.zeros(m, c, dtype=torch.float64, device=data.device)
         count = torch.zeros_like(correct)
         loss = torch.zeros(m, dtype=torch.float64, device=data.device)
-        chunk = max(1, self.eval_batch_size // m)
+        chunk = chunk or max(1, self.eval_batch_size // m)
         rows = torch.arange(m, device=data.device).unsqueeze(1)
         for s in range(0, ids.shape[1], chunk):
             b, ok = ids[:, s:s + chunk], valid[:, s:s + chunk].to(torch.float64)
