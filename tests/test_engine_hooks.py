@@ -157,7 +157,14 @@ def test_both_executors_adapt_equal_models_alike(fed_data):
     seq = SequentialExecutor(fed_data, eng.train, 3, 64).adapt_models(adapt, phases, models, clients, rnd)
     stk = StackedExecutor(fed_data, eng.train, 3, 64).adapt_models(adapt, phases, models, clients, rnd)
     assert_trees_close(models, before, atol=0)  # the inputs are not modified
-    assert_trees_close(seq, stk, atol=1e-6, rtol=1e-5)
+    # the vmapped (grouped) convolution's backward and the plain one sum in another order, and
+    # oneDNN picks its kernels per CPU: within 1e-6 on the CI machine, 2.8e-5 on an AMD EPYC VM
+    # (2026-11-26) after the lr-0.5 step; so: the contract's tolerance between executors, and
+    # within 0.1 % of the step each model took
+    assert_trees_close(seq, stk, atol=1e-4, rtol=1e-4)
+    step = max(float((seq[n] - before[n]).abs().max()) for n in seq)
+    apart = max(float((seq[n] - stk[n]).abs().max()) for n in seq)
+    assert apart <= 1e-3 * step, (apart, step)
     assert not torch.allclose(seq["classifier.weight"], models["classifier.weight"])
 
 
