@@ -514,9 +514,11 @@ class StackedExecutor(SequentialExecutor):
         m = len(cl)
         groups = [data.client_train[c] for c in cl]
         sizes = [len(g) for g in groups]
-        info: dict[str, Any] = {"client": torch.as_tensor(cl, device=dev),
-                                "num_samples": torch.as_tensor([float(n) for n in sizes], device=dev),
-                                "label_hist": data.train_hist[torch.as_tensor(cl, device=dev)]}
+        cid = torch.as_tensor(cl, device=dev)  # the round's one copy of its trainers' ids
+        hist = data.train_hist[cid]
+        # a client's train size is the sum of its label histogram (single-label data; float32 counts,
+        # exact below 2**24): read on the device, not copied from the host sizes
+        info: dict[str, Any] = {"client": cid, "num_samples": hist.sum(-1), "label_hist": hist}
         received = down.received()
         trees, cctx = vmap(algo.begin, in_dims=(down.received_dims(), 0, 0, None))(received, states, info, rnd)
         trees = tree_clone(trees)
