@@ -164,7 +164,7 @@ def test_the_sizer_without_a_fraction_is_the_fixed_batch(fed_data):
     algo, models = _stacked(fed_data, 5)
     s = EvalSizer(64, None, "cpu")
     assert s.stacked(algo.predict, models, fed_data.x, fed_data.client_test) == (5, 12)
-    assert s.one(algo.predict, tree_map(lambda t: t[0], models), fed_data.x, fed_data.client_test[0]) == 64
+    assert s.one(algo.predict, tree_map(lambda t: t[0], models), fed_data.x, [fed_data.client_test[0]]) == 64
 
 
 @pytest.mark.gpu

@@ -207,18 +207,14 @@ class LocalClients:
         out = EvalResult()
         sizer = getattr(self.executor, "eval_sizer", None)
 
-        def batch(groups: list[torch.Tensor]) -> int:  # samples per forward of the global model on ``groups``
-            if sizer is None or not sizer.by_memory:
-                return bs
-            cat = torch.cat(groups)
-            return sizer.one(algo.predict, global_model, data.x, cat) if cat.numel() else 1
+        def on(groups: list[torch.Tensor]) -> Counts:  # the global model on ``groups``, forwards sized by the executor
+            n = sizer.one(algo.predict, global_model, data.x, groups) if sizer is not None else bs
+            return eval_groups(algo.predict, global_model, data, groups, n)
 
         if global_model is not None:
-            groups = [data.client_test[c] for c in ids]
-            out.global_test = eval_groups(algo.predict, global_model, data, groups, batch(groups))
+            out.global_test = on([data.client_test[c] for c in ids])
             if val:
-                groups = [data.client_val[c] for c in ids]
-                out.global_val = eval_groups(algo.predict, global_model, data, groups, batch(groups))
+                out.global_val = on([data.client_val[c] for c in ids])
         if personalized:
             ex = self.executor
             pm = self.personalized_models(algo, server, rnd)

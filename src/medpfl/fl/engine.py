@@ -435,7 +435,7 @@ class Engine:
         clients = list(range(k))
         gm = algo.global_model(server) if algo.has_global_model else None
         if gm is not None and len(data.global_test) > 0:  # a federated data set may have none (Synthetic)
-            gbs = self.executor.eval_sizer.one(algo.predict, gm, data.x, data.global_test) if self.executor else bs
+            gbs = self.executor.eval_sizer.one(algo.predict, gm, data.x, [data.global_test]) if self.executor else bs
             out.add("global_test", [-1], eval_groups(algo.predict, gm, data, [data.global_test], gbs))
         res = cs.evaluate(algo, server, self.round_info(r), global_model=gm, personalized=algo.personalized,
                           val=self._has_val,

@@ -245,8 +245,8 @@ class SequentialExecutor:
         outs = []
         for j, g in enumerate(groups):
             model = tree_index(models, j)
-            outs.append(eval_groups(algo.predict, model, self.data, [g],
-                                    self.eval_sizer.one(algo.predict, model, self.data.x, g) if len(g) else 1))
+            outs.append(eval_groups(algo.predict, model, self.data, [g], self.eval_sizer.one(algo.predict, model,
+                                                                                             self.data.x, [g])))
         return tuple(torch.cat([o[i] for o in outs]) for i in range(3))
 
     def personalized_models(self, algo: Algorithm, states: dict[str, Any], server: dict[str, Any]) -> Any:

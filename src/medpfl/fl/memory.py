@@ -203,22 +203,25 @@ class EvalSizer:
     def by_memory(self) -> bool:
         return self.memory_fraction is not None
 
-    def cost(self, predict: Callable, models: Any, x: Callable, ids: torch.Tensor) -> ForwardCost:
-        """The cached :class:`ForwardCost` of ``vmap(predict)`` (probed on first use)."""
+    def cost(self, predict: Callable, models: Any | Callable[[], Any], x: Callable, ids: torch.Tensor) -> ForwardCost:
+        """The cached :class:`ForwardCost` of ``vmap(predict)``, probed on first use with
+        ``models`` (stacked; or a callable that returns them, called only then)."""
         key = id(predict.__self__) if hasattr(predict, "__self__") else id(predict)
         if key not in self._costs:
-            self._costs[key] = probe_cost(torch.vmap(predict), models, x, ids, self.device)
+            rows = models() if callable(models) else models
+            self._costs[key] = probe_cost(torch.vmap(predict), rows, x, ids, self.device)
         return self._costs[key]
 
-    def one(self, predict: Callable, params: Any, x: Callable, ids: torch.Tensor) -> int:
-        """Samples per forward of one model (``params``, unstacked) on the sample ids ``ids``
-        (int64 [n], the index sets concatenated)."""
-        if not self.by_memory:
+    def one(self, predict: Callable, params: Any, x: Callable, groups: list[torch.Tensor]) -> int:
+        """Samples per forward of one model (``params``, unstacked) on the index sets ``groups``
+        (int64 tensors, evaluated together): ``batch_size`` without a fraction or samples."""
+        n_all = sum(len(g) for g in groups)
+        if not self.by_memory or n_all == 0:
             return self.batch_size
-        stacked = tree_map(lambda t: t.unsqueeze(0), params)
-        cost = self.cost(predict, stacked, x, ids)
+        probe = next(g for g in groups if len(g))
+        cost = self.cost(predict, lambda: tree_map(lambda t: t.unsqueeze(0), params), x, probe)
         budget = budget_bytes(self.device, self.memory_fraction)
-        _, n = cost.plan(budget, 1, ids.numel())
+        _, n = cost.plan(budget, 1, n_all)
         self.last = (1, n, budget)
         return n
 
