@@ -23,7 +23,9 @@ The parts (each can be re-run alone and writes its own results file; ``benchmark
 4. ``table1``: the FedKPer Table 1 BloodMNIST study (``config/fedkper-table1.yaml`` +
    ``-cpu.yaml``: 13 methods x 3 seeds x 100 rounds), every job through medpfl's own CLI
    (``medpfl train`` then ``evaluate``; no Snakemake, no MLflow: neither is on the GPU machine),
-   several jobs at a time; ``--shard i/n`` runs every n-th job; the runs come back as a tarball
+   several jobs at a time; ``--shard i/n`` runs every n-th job; ``--stack-seeds`` runs each
+   method's seeds as one process and one computation (``train.stack_seeds``), and shards by
+   method; the runs come back as a tarball
    and ``collect`` builds the study's report here.
 5. ``large``: a few rounds of ViT-B/16 + LoRA at 224 px (FHBench's setting) and ResNet-101 at
    64 px (FedMIC's), pretrained weights if cached, else random: seconds per round, peak memory.
@@ -355,6 +357,7 @@ class Ctx:
     shard: tuple[int, int] = (1, 1)
     jobs: int = 0
     tests_k: str | None = None
+    stack_seeds: bool = False
     notes: list = field(default_factory=list)
     data: dict = field(default_factory=dict)
 
@@ -480,6 +483,8 @@ def machine_info(device: str) -> dict:
 
 def results_name(part: int, ctx: Ctx) -> str:
     name = f"part{part}-{PARTS[part]}"
+    if part == 4 and ctx.stack_seeds:
+        name += "-stacked"
     if part == 4 and ctx.shard != (1, 1):
         name += f"-s{ctx.shard[0]}of{ctx.shard[1]}"
     return name
@@ -555,7 +560,8 @@ def cmd_run(a) -> int:
                                                    f"{dt.date.today().isoformat()}"
     i, n = (int(x) for x in a.shard.split("/"))
     ctx = Ctx(device=device, rounds=a.rounds, dry_run=a.dry_run, out=outdir.resolve(), work=Path(a.work).resolve(),
-              carry=carry, deadline=t0 + a.budget_s, shard=(i, n), jobs=a.jobs, tests_k=a.tests_k)
+              carry=carry, deadline=t0 + a.budget_s, shard=(i, n), jobs=a.jobs, tests_k=a.tests_k,
+              stack_seeds=a.stack_seeds)
     ctx.work.mkdir(parents=True, exist_ok=True)
     ctx.data = ensure_data(ctx)
     machine = machine_info(device)
@@ -578,7 +584,7 @@ def load_parts(paths: list[Path]) -> tuple[dict[str, dict], list[Path]]:
     for p in paths:
         files = sorted(p.rglob("*")) if p.is_dir() else [p]
         for f in files:
-            if re.fullmatch(r"part\d-[a-z0-9]+(-s\d+of\d+)?\.json", f.name):
+            if re.fullmatch(r"part\d-[a-z0-9]+(-stacked)?(-s\d+of\d+)?\.json", f.name):
                 parts[f.stem] = json.loads(f.read_text())
             elif f.name.endswith("-runs.tar.gz"):
                 tars.append(f)
@@ -612,6 +618,8 @@ def cmd_collect(a) -> int:
     merged = {"machine": machine, "machine_name": gpu or machine.get("cpu_model"), "date": date, "dry_run": dry,
               "parts": parts, "missing_keys": {k: check_keys(v) for k, v in parts.items()}}
     study = None
+    plain = [t for t in tars if "-stacked" not in t.name]
+    tars = plain or tars  # one report: the separate runs where there are some, else the stacked seeds'
     if tars:
         sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
         study_dir = Path(a.study_dir) if a.study_dir else (Path(tempfile.mkdtemp(prefix="campaign-table1-")) if dry
@@ -660,6 +668,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="this command's time budget: parts stop starting new steps when it runs out")
     s.add_argument("--shard", default="1/1", help="part 4: run the i-th of n shares of the jobs (i/n)")
     s.add_argument("--jobs", type=int, default=0, help="part 4: training jobs at a time (0: min(13, cores))")
+    s.add_argument("--stack-seeds", action="store_true", help="part 4: each method's seeds as one process and one "
+                   "computation (train.stack_seeds: medpfl train with one --job per seed); the results file is "
+                   "named part4-table1-stacked")
     s.add_argument("--tests-k", help="part 1: a pytest -k expression (default: all; dry run: fedavg or fedkper)")
     s.set_defaults(fn=cmd_run)
     s = sub.add_parser("collect", help="here: merge returned part files into benchmarks/results/<gpu>-<date>.*")

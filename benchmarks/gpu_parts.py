@@ -529,8 +529,8 @@ def table1_jobs(ctx) -> tuple[list[dict], dict]:
     overlays = [ROOT / "config" / "fedkper-table1.yaml", ROOT / "config" / "fedkper-table1-cpu.yaml"]
     params = load_params(ROOT / "params.yaml", overlays)
     methods, seeds = list(params.methods), list(params.seeds)
-    if ctx.dry_run:
-        methods, seeds = ["fedavg", "fedkper"], seeds[:1]
+    if ctx.dry_run:  # with --stack-seeds two seeds, so that the dry run stacks
+        methods, seeds = ["fedavg", "fedkper"], seeds[:2 if getattr(ctx, "stack_seeds", False) else 1]
     jobs = []
     for seed in seeds:
         for method in methods:
@@ -541,7 +541,11 @@ def table1_jobs(ctx) -> tuple[list[dict], dict]:
                 job["train"]["rounds"] = ctx.rounds
             jobs.append(job)
     i, n = ctx.shard
-    mine = jobs[i - 1::n]
+    if getattr(ctx, "stack_seeds", False):  # a unit is one method's seeds (one process); shard by unit
+        units = [[j for j in jobs if j["method"] == m] for m in methods]
+        mine = [job for unit in units[i - 1::n] for job in unit]
+    else:
+        mine = jobs[i - 1::n]
     meta = {"study": "config/fedkper-table1.yaml + config/fedkper-table1-cpu.yaml (BloodMNIST, 13 rows, seeds 1-3), "
                      "study name fedkper-table1-gpu, train.device " + ctx.device,
             "methods": methods, "seeds": seeds, "jobs_total": len(jobs),
@@ -550,9 +554,11 @@ def table1_jobs(ctx) -> tuple[list[dict], dict]:
 
 
 def part4_table1(ctx, checkpoint) -> dict:
-    from medpfl.evaluate import evaluate_run
-
     jobs, meta = table1_jobs(ctx)
+    stacked = bool(getattr(ctx, "stack_seeds", False))
+    # a unit is one process: one job, or with --stack-seeds one method's seeds (medpfl train, one --job each)
+    units = ([[j for j in jobs if j["method"] == m] for m in dict.fromkeys(j["method"] for j in jobs)] if stacked
+             else [[j] for j in jobs])
     cores = os.cpu_count() or 1
     parallel = ctx.jobs or min(13, cores)
     threads = max(1, cores // parallel)
@@ -562,27 +568,33 @@ def part4_table1(ctx, checkpoint) -> dict:
     out: dict = {"study": meta, "shard": f"{ctx.shard[0]}/{ctx.shard[1]} (every {ctx.shard[1]}-th job from the "
                                           f"{ctx.shard[0]}-th, jobs ordered by seed then method)",
                  "jobs_total": meta["jobs_total"], "parallel": parallel, "threads_per_job": threads,
-                 "path": "medpfl train (no --parent: no MLflow) then evaluate, through medpfl.cli; no Snakemake",
+                 "path": "medpfl train (no --parent: no MLflow) then evaluate, through medpfl.cli; no Snakemake"
+                         + ("; each method's seeds one process and one computation (train.stack_seeds)" if stacked
+                            else ""), "stack_seeds": stacked, "processes": len(units),
                  "wall_s": None, "sum_job_wall_s": None, "runs": [], "_status": "ok"}
     py = sys.executable
-    pending = list(jobs)
+    pending = list(units)
     active: dict = {}
     t0 = time.perf_counter()
     while pending or active:
         while pending and len(active) < parallel:
-            job = pending.pop(0)
-            rd = runs_root / job["dataset"] / job["partition"] / job["method"] / f"seed{job['seed']}"
-            rd.mkdir(parents=True, exist_ok=True)
-            (rd / "job.in.json").write_text(json.dumps(job))
-            cmd = [py, "-m", "medpfl.cli", "train", "--job", f"@{rd / 'job.in.json'}", "--arrays", ctx.data["arrays"],
-                   "--samples", ctx.data["samples"], "--partition-table", ctx.data["partitions"]["fedkper-dir0.1"],
-                   "--out-dir", rd, "--threads", str(threads)]
-            f = open(rd / "train.log", "w")
+            unit = pending.pop(0)
+            cmd = [py, "-m", "medpfl.cli", "train"]
+            dirs = []
+            for job in unit:
+                rd = runs_root / job["dataset"] / job["partition"] / job["method"] / f"seed{job['seed']}"
+                rd.mkdir(parents=True, exist_ok=True)
+                (rd / "job.in.json").write_text(json.dumps(job))
+                cmd += ["--job", f"@{rd / 'job.in.json'}", "--out-dir", rd]
+                dirs.append(rd)
+            cmd += ["--arrays", ctx.data["arrays"], "--samples", ctx.data["samples"], "--partition-table",
+                    ctx.data["partitions"]["fedkper-dir0.1"], "--threads", str(threads)]
+            f = open(dirs[0].parent / "train-seeds.log" if stacked else dirs[0] / "train.log", "w")
             proc = subprocess.Popen([str(c) for c in cmd], stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
                                     start_new_session=True)
-            active[proc.pid] = (proc, job, rd, time.perf_counter(), f)
+            active[proc.pid] = (proc, unit, dirs, time.perf_counter(), f)
         time.sleep(0.5)
-        for pid, (proc, job, rd, start, f) in list(active.items()):
+        for pid, (proc, unit, dirs, start, f) in list(active.items()):
             rc = proc.poll()
             if rc is None and ctx.remaining() < 25:
                 os.killpg(proc.pid, 9)
@@ -592,38 +604,60 @@ def part4_table1(ctx, checkpoint) -> dict:
                 continue
             f.close()
             del active[pid]
-            row = {"method": job["method"], "seed": job["seed"], "rc": rc, "wall_s": time.perf_counter() - start}
-            if rc == 0:
-                try:
-                    import pandas as pd
-
-                    s = evaluate_run(rd)
-                    rounds = pd.read_parquet(rd / "rounds.parquet")
-                    row.update(rounds=len(rounds), train_s=float(rounds["train_seconds"].sum()),
-                               eval_s=float(rounds["eval_seconds"].sum()),
-                               s_per_round=float(rounds["round_seconds"].mean()),
-                               executor=json.loads((rd / "job.json").read_text()).get("executor"),
-                               **{k: s.get(k) for k in ("avg_global_acc", "avg_local_acc", "final_global_acc",
-                                                        "avg_worst_client_acc", "balance")})
-                except Exception as e:  # noqa: BLE001
-                    row["evaluate_error"] = repr(e)[:300]
-            else:
-                row["log_tail"] = (rd / "train.log").read_text(errors="replace").splitlines()[-12:]
-                out["_status"] = "partial"
-            out["runs"].append(row)
-            log(f"part 4: {job['method']} seed {job['seed']} rc={rc} in {row['wall_s']:.0f} s")
-            checkpoint(out)
+            for job, rd in zip(unit, dirs):
+                _table1_row(out, job, rd, rc, time.perf_counter() - start, len(unit), Path(f.name), checkpoint)
         if pending and ctx.remaining() < 60:
-            for job in pending:
-                out["runs"].append({"method": job["method"], "seed": job["seed"], "rc": "not started: budget"})
+            for unit in pending:
+                for job in unit:
+                    out["runs"].append({"method": job["method"], "seed": job["seed"], "rc": "not started: budget"})
             out["_status"] = "partial"
             pending = []
     out["wall_s"] = time.perf_counter() - t0
-    out["sum_job_wall_s"] = sum(r.get("wall_s", 0.0) for r in out["runs"])
+    # a stacked process's wall time is counted once (its seeds' rows each hold it)
+    out["sum_job_wall_s"] = sum(r.get("wall_s", 0.0) / r.get("seeds_in_process", 1) for r in out["runs"])
     # the runs come back as one tarball: records, rounds, job, metrics, logs (collect builds the report)
-    tar_path = ctx.out / f"part4-table1{'' if ctx.shard == (1, 1) else f'-s{ctx.shard[0]}of{ctx.shard[1]}'}-runs.tar.gz"
+    return _table1_tarball(ctx, out, runs_root)
+
+
+def _table1_row(out: dict, job: dict, rd: Path, rc, wall_s: float, seeds_in_process: int, log_file: Path,
+                checkpoint) -> None:
+    """Part 4's row of one finished job (evaluated where it trained), appended to ``out["runs"]``."""
+    from medpfl.evaluate import evaluate_run
+
+    row = {"method": job["method"], "seed": job["seed"], "rc": rc, "wall_s": wall_s,
+           "seeds_in_process": seeds_in_process}
+    if rc != 0 and (rd / "records.parquet").is_file():  # a stacked process failed for another seed
+        row["rc_process"], rc = rc, 0
+    if rc == 0:
+        try:
+            import pandas as pd
+
+            s = evaluate_run(rd)
+            rounds = pd.read_parquet(rd / "rounds.parquet")
+            row.update(rounds=len(rounds), train_s=float(rounds["train_seconds"].sum()),
+                       eval_s=float(rounds["eval_seconds"].sum()),
+                       s_per_round=float(rounds["round_seconds"].mean()),
+                       executor=json.loads((rd / "job.json").read_text()).get("executor"),
+                       **{k: s.get(k) for k in ("avg_global_acc", "avg_local_acc", "final_global_acc",
+                                                "avg_worst_client_acc", "balance")})
+        except Exception as e:  # noqa: BLE001
+            row["evaluate_error"] = repr(e)[:300]
+    else:
+        row["log_tail"] = log_file.read_text(errors="replace").splitlines()[-12:]
+        out["_status"] = "partial"
+    out["runs"].append(row)
+    log(f"part 4: {job['method']} seed {job['seed']} rc={rc} in {row['wall_s']:.0f} s")
+    checkpoint(out)
+
+
+def _table1_tarball(ctx, out: dict, runs_root: Path) -> dict:
+    """Part 4's runs as one tarball in ``ctx.out`` (records, rounds, job, metrics, logs): ``out``
+    with its name and size."""
+    stacked = "-stacked" if getattr(ctx, "stack_seeds", False) else ""
+    shard = "" if ctx.shard == (1, 1) else f"-s{ctx.shard[0]}of{ctx.shard[1]}"
+    tar_path = ctx.out / f"part4-table1{stacked}{shard}-runs.tar.gz"
     keep = ("records.parquet", "rounds.parquet", "job.json", "metrics.json", "round_metrics.csv", "client_accuracy.csv",
-            "train.log")
+            "train.log", "train-seeds.log")
     with tarfile.open(tar_path, "w:gz") as tar:
         for f in sorted(runs_root.rglob("*")):
             if f.is_file() and f.name in keep:

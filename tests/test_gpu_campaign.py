@@ -148,3 +148,20 @@ def test_dry_run_of_each_part_writes_its_results_file(carry, tmp_path, part):
     assert gc.check_keys(obj) == [] and obj["dry_run"] and obj["device"] == "cpu"
     if part == 4:
         assert (out / "part4-table1-runs.tar.gz").is_file()
+
+
+@pytest.mark.slow
+def test_dry_run_of_part4_with_stacked_seeds(carry, tmp_path):
+    """``--stack-seeds``: each method's 2 dry-run seeds train in one process (train.stack_seeds),
+    both seeds' runs evaluated, its own results file and tarball."""
+    out = tmp_path / "out"
+    rc = gc.main(["run", "--part", "4", "--stack-seeds", "--device", "cpu", "--rounds", "1", "--dry-run", "--out",
+                  str(out), "--work", str(tmp_path / "work"), "--carry", str(carry), "--budget-s", "3000"])
+    obj = json.loads((out / "part4-table1-stacked.json").read_text())
+    assert rc == 0 and obj["status"] == "ok", obj.get("error") or obj.get("notes")
+    res = obj["result"]
+    assert res["stack_seeds"] and res["processes"] == 2
+    assert sorted((r["method"], r["seed"], r["rc"], r["seeds_in_process"]) for r in res["runs"]) == \
+        [("fedavg", 1, 0, 2), ("fedavg", 2, 0, 2), ("fedkper", 1, 0, 2), ("fedkper", 2, 0, 2)]
+    assert all("evaluate_error" not in r for r in res["runs"])
+    assert (out / "part4-table1-stacked-runs.tar.gz").is_file()

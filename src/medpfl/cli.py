@@ -16,7 +16,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from medpfl.errors import PROJECT_ERRORS
+from medpfl.errors import PROJECT_ERRORS, ParamsError
 
 log = logging.getLogger("medpfl")
 
@@ -115,17 +115,24 @@ def cmd_mlflow_init(a) -> None:
 def cmd_train(a) -> None:
     from medpfl.gpus import claim_for_device
 
-    job = _job(a.job)
+    jobs = [_job(j) for j in a.job]
+    if len(jobs) != len(a.out_dir):
+        raise ParamsError(f"medpfl train: {len(jobs)} --job but {len(a.out_dir)} --out-dir (one run folder per job)")
     # one free GPU for this job (CUDA_VISIBLE_DEVICES), before torch is imported and reads it
-    claim_for_device(str((job.get("train") or {}).get("device", "auto")))
-    from medpfl.train import run_training
+    claim_for_device(str((jobs[0].get("train") or {}).get("device", "auto")))
+    from medpfl.train import run_stacked_seeds, run_training
 
     if a.threads:
         import torch
 
         torch.set_num_threads(a.threads)
-    run_training(job, Path(a.arrays), Path(a.samples), Path(a.partition_table), Path(a.out_dir),
-                 parent_file=Path(a.parent) if a.parent else None)
+    parent = Path(a.parent) if a.parent else None
+    if len(jobs) == 1:
+        run_training(jobs[0], Path(a.arrays), Path(a.samples), Path(a.partition_table), Path(a.out_dir[0]),
+                     parent_file=parent)
+    else:  # train.stack_seeds: one method's seeds as one computation
+        run_stacked_seeds(jobs, Path(a.arrays), Path(a.samples), Path(a.partition_table),
+                          [Path(d) for d in a.out_dir], parent_file=parent)
 
 
 def cmd_evaluate(a) -> None:
@@ -499,16 +506,18 @@ def build_parser() -> argparse.ArgumentParser:
         "free GPU of the machine (nvidia-smi -L, or the ids in MEDPFL_GPUS) with a lock file in "
         "MEDPFL_GPU_LOCK_DIR and runs with CUDA_VISIBLE_DEVICES set to it; a CUDA_VISIBLE_DEVICES already set "
         "(SLURM) is kept. See docs/cluster.md.", break_on_hyphens=False))
-    s.add_argument("--job", required=True, metavar="JSON", help=JOB_HELP + ': {"study", "dataset", "partition", '
-                   '"method", "algorithm", "method_params": {...}, "seed": INT, "num_clients": INT, "train": '
-                   '{...}, "eval": {...}[, "pool": "all"]} (medpfl.config.train_job writes it)')
+    s.add_argument("--job", required=True, action="append", metavar="JSON", help=JOB_HELP + ': {"study", '
+                   '"dataset", "partition", "method", "algorithm", "method_params": {...}, "seed": INT, '
+                   '"num_clients": INT, "train": {...}, "eval": {...}[, "pool": "all"]} (medpfl.config.train_job '
+                   'writes it). Given several times (one per seed of one method, each with its --out-dir, in '
+                   'order): the seeds train as one computation (train.stack_seeds, docs/contract.md)')
     s.add_argument("--arrays", required=True, metavar="NPZ", help="processed arrays from preprocess")
     s.add_argument("--samples", required=True, metavar="PARQUET", help="sample table from preprocess")
     s.add_argument("--partition-table", required=True, metavar="PARQUET", help="partition.parquet from partition")
     s.add_argument("--parent", metavar="JSON", help="mlflow_parent.json from mlflow-init: log the run as its "
                    "child (default: no MLflow tracking)")
-    s.add_argument("--out-dir", required=True, metavar="DIR", help="run folder for records.parquet, "
-                   "rounds.parquet, job.json, checkpoints and final_model.pt")
+    s.add_argument("--out-dir", required=True, action="append", metavar="DIR", help="run folder for "
+                   "records.parquet, rounds.parquet, job.json, checkpoints and final_model.pt (one per --job)")
     s.add_argument("--threads", type=int, default=0, metavar="N", help="torch CPU threads for this job "
                    "(default: %(default)s = torch's own default)")
 

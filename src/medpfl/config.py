@@ -926,6 +926,17 @@ class TrainConfig(_Strict):
                            "and replayed (docs/contract.md, 'Fixed-shape steps and CUDA graphs'); records equal the "
                            "eager run within float tolerance. Needs executor auto or stacked, a CUDA device and a "
                            "stackable method")
+    # How seeds are grouped into processes, not what a run computes: excluded from the dump (the job
+    # descriptions), so turning it on or off re-runs nothing by itself (Snakemake: a finished run
+    # made by the other rule may still be re-run for its changed rule code, docs/pipeline.md).
+    stack_seeds: bool = Field(
+        False, exclude=True,
+        description="true: the seeds of each method train as one computation (medpfl.fl.seed_stack): one "
+                    "process per method (Snakemake rule train_seeds), every round's local training of all seeds "
+                    "one stacked program (executor auto then picks stacked wherever the method and model allow), "
+                    "each seed's outputs, MLflow run and checkpoint its own; records equal the separate "
+                    "stacked runs within float tolerance. Study-wide; not for data drawn per seed "
+                    "(data.synthetic.<name>.seed_per_run), whose seeds train apart. For a GPU")
     deterministic: bool = Field(True, description="on CUDA: deterministic algorithms where torch has them "
                                                   "(warn_only), CUBLAS_WORKSPACE_CONFIG=:4096:8, cuDNN deterministic, "
                                                   "no cuDNN benchmark (medpfl.environment); no effect on a CPU")
@@ -990,6 +1001,15 @@ class TrainConfig(_Strict):
             if out.get("cuda_graphs") is False:
                 out.pop("cuda_graphs")
         return out
+
+    @model_validator(mode="after")
+    def _stack_seeds_needs_stacked(self) -> "TrainConfig":
+        """``stack_seeds: true`` with ``executor: sequential``: a ValueError naming both keys
+        (the seeds' local training is merged on the stacked executor)."""
+        if self.stack_seeds and self.executor == "sequential":
+            raise ValueError("train.stack_seeds: true merges the seeds' local training on the stacked executor and "
+                             "train.executor is sequential: set executor auto or stacked, or stack_seeds false")
+        return self
 
     @model_validator(mode="after")
     def _cuda_graphs_needs_stacked_cuda(self) -> "TrainConfig":

@@ -12,13 +12,15 @@ Progress: a live bar on a terminal, one log line per round otherwise (:mod:`medp
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import torch
 
 from medpfl.algorithms import resolve_method
-from medpfl.config import EvalConfig, ParamsError, TrainConfig
+from medpfl.config import EvalConfig, ParamsError, TrainConfig, canonical_json
 from medpfl.data.partition import PartitionError
 from medpfl.data.preprocess import load_processed
 from medpfl.data.schemas import SharedPartitionTable, validate
@@ -97,28 +99,29 @@ def _write_job(out_dir: Path, job: dict, env: dict, earlier: list[dict], model_s
                                       **({"earlier_environments": earlier} if earlier else {})})
 
 
-def run_training(job: dict, arrays: Path, samples: Path, partition_table: Path, out_dir: Path,
-                 parent_file: Path | None = None, clients_factory=None, extra_tags: dict[str, str] | None = None) -> None:
-    """Run one job end to end. Raises ParamsError/DataError/TableError naming the bad input
-    (ParamsError also where ``train.model`` cannot take this data set's samples),
-    MissingWeightsError when a pretrained checkpoint is not available offline, and
-    DivergenceError when the run diverges.
+@dataclass
+class _Job:
+    """One job made ready to train (:func:`_prepare`): its engine, MLflow logger, progress and
+    what :func:`_finish` writes."""
 
-    clients_factory: None runs every client here (the simulator); else ``fn(data, algo, train)
-    -> client side`` (:mod:`medpfl.fl.clients`), e.g. a deployment's sites
-    (:mod:`medpfl.deploy.server`); extra_tags: added to the MLflow run's tags."""
-    train = TrainConfig.model_validate(job["train"])
-    evalc = EvalConfig.model_validate(job["eval"])
-    algo_cls, mcfg = resolve_method(job["method"], {job["method"]: {"algorithm": job["algorithm"], **job["method_params"]}})
-    out_dir.mkdir(parents=True, exist_ok=True)
-    device = resolve_device(train.device)
-    configure_determinism(train.deterministic, device)  # before any CUDA work of this job
-    env = capture(device, train.precision, train.deterministic)
-    ckpt = out_dir / "checkpoint.pt"
-    earlier = _earlier_environments(out_dir / "job.json", env) if ckpt.exists() else []
-    if earlier:
-        log.warning("resuming in another environment (%s) than before (%s): the run mixes both", env["id"],
-                    ", ".join(e.get("id", "?") for e in earlier))
+    job: dict
+    out_dir: Path
+    algo: Any
+    engine: Engine
+    logger: Any
+    bar: RoundProgress
+    env: dict
+    earlier: list[dict]
+    counts: dict
+
+    @property
+    def ckpt(self) -> Path:
+        return self.out_dir / "checkpoint.pt"
+
+
+def _load_data(job: dict, arrays: Path, samples: Path, partition_table: Path, device: torch.device) -> FederatedData:
+    """The job's federated data on ``device``. Raises PartitionError when the table's client
+    count differs from ``partitions.<name>.num_clients``."""
     data = load_processed(arrays, samples)
     # SharedPartitionTable: clients may share samples (per_client_dirichlet); disjoint schemes are
     # checked for disjointness when the partition stage builds them
@@ -128,7 +131,29 @@ def run_training(job: dict, arrays: Path, samples: Path, partition_table: Path, 
         raise PartitionError(f"{partition_table}: holds {k} clients, partitions.{job['partition']}.num_clients says "
                              f"{job['num_clients']} (re-run the partition stage)")
     # pool all: every split was partitioned, no global test set; transform: train.transform
-    fdata = FederatedData.build(data, table, device, pool=job.get("pool", "train"), transform=train.transform)
+    train = TrainConfig.model_validate(job["train"])
+    return FederatedData.build(data, table, device, pool=job.get("pool", "train"), transform=train.transform)
+
+
+def _prepare(job: dict, fdata: FederatedData, arrays: Path, partition_table: Path, out_dir: Path,
+             parent_file: Path | None, clients_factory=None, extra_tags: dict[str, str] | None = None,
+             bar: bool | None = None, stacked_seeds: bool = False) -> _Job:
+    """Everything of one job up to its first round: job.json, the method, the MLflow run, the
+    progress and the engine (resuming from ``out_dir/checkpoint.pt`` where it matches).
+    ``stacked_seeds``: ``executor: auto`` picks the stacked executor wherever the method and the
+    model allow it, on any device (the seeds' local training is merged there)."""
+    train = TrainConfig.model_validate(job["train"])
+    evalc = EvalConfig.model_validate(job["eval"])
+    algo_cls, mcfg = resolve_method(job["method"], {job["method"]: {"algorithm": job["algorithm"], **job["method_params"]}})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = fdata.device
+    env = capture(device, train.precision, train.deterministic)
+    ckpt = out_dir / "checkpoint.pt"
+    earlier = _earlier_environments(out_dir / "job.json", env) if ckpt.exists() else []
+    if earlier:
+        log.warning("resuming in another environment (%s) than before (%s): the run mixes both", env["id"],
+                    ", ".join(e.get("id", "?") for e in earlier))
+    k = fdata.num_clients
     try:
         template = build_model_for_data(train.model, fdata, train.model_args)
     except ValueError as e:  # the model does not fit this data set (image side, channels) or its arguments
@@ -156,37 +181,46 @@ def run_training(job: dict, arrays: Path, samples: Path, partition_table: Path, 
                                                 if earlier else {})})
         logger.log_params(job)
 
-    bar = RoundProgress(train.rounds, f"{job['method']} {job['dataset']}/{job['partition']} seed {job['seed']}", log)
+    progress = RoundProgress(train.rounds, f"{job['method']} {job['dataset']}/{job['partition']} seed {job['seed']}",
+                             log, bar=bar)
 
     def on_round(r: int, row: dict, recs: list[dict]) -> None:
         """The round's scalars, computed once: logged to MLflow (step = round), then shown."""
         scalars = round_scalars(recs, row)
         if logger is not None:
             logger.log_metrics(scalars, step=r)
-        bar.update(r, scalars, row["round_seconds"])
+        progress.update(r, scalars, row["round_seconds"])
 
-    callbacks = [on_round]
     fp = fingerprint({"job": job, "partition": md5sum(partition_table), "arrays": md5sum(arrays),
                       **({"clients": "deployed"} if clients_factory is not None else {})})
     clients = clients_factory(fdata, algo, train) if clients_factory is not None else None
-    engine = Engine(algo, fdata, train, evalc, job["seed"], train.executor, checkpoint=ckpt, callbacks=callbacks,
+    kind = train.executor
+    if stacked_seeds and kind == "auto" and algo.stackable and getattr(algo.forward, "not_stackable_because", None) is None:
+        kind = "stacked"
+    engine = Engine(algo, fdata, train, evalc, job["seed"], kind, checkpoint=ckpt, callbacks=[on_round],
                     fingerprint=fp, clients=clients)
-    log.info("%s: %s executor on %s, %d clients, %d rounds; environment %s (%s, %d torch threads, deterministic "
-             "algorithms %s)", job["method"], engine.clients.name, device, k, train.rounds, env["id"],
-             env["gpu_name"] or env["cpu_model"], env["torch_threads"], env["deterministic_algorithms"])
-    try:
-        with bar:
-            result = engine.run()
-    except BaseException as e:
-        if logger is not None:
-            logger.finish("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
-        raise
+    log.info("%s seed %s: %s executor on %s, %d clients, %d rounds; environment %s (%s, %d torch threads, "
+             "deterministic algorithms %s)", job["method"], job["seed"], engine.clients.name, device, k, train.rounds,
+             env["id"], env["gpu_name"] or env["cpu_model"], env["torch_threads"], env["deterministic_algorithms"])
+    return _Job(job, out_dir, algo, engine, logger, progress, env, earlier, counts)
+
+
+def _failed(j: _Job, e: BaseException) -> None:
+    """Marks the job's MLflow run ended by ``e`` (its checkpoint stays)."""
+    if j.logger is not None:
+        j.logger.finish("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+
+
+def _finish(j: _Job, result: Any) -> None:
+    """The job's outputs from its :class:`~medpfl.fl.engine.RunResult`, each written atomically:
+    records, rounds, the final model; the MLflow run finished; the checkpoint removed."""
+    job, out_dir, logger, algo, engine = j.job, j.out_dir, j.logger, j.algo, j.engine
     finish = getattr(engine.clients, "finish", None)  # a deployment: the sites keep their personalized models
     if finish is not None and algo.personalized:
         finish(result.server)
-    if earlier and not result.resumed_from:  # the checkpoint was not used: one environment after all
-        earlier = []
-        _write_job(out_dir, job, env, earlier, counts)
+    if j.earlier and not result.resumed_from:  # the checkpoint was not used: one environment after all
+        j.earlier = []
+        _write_job(out_dir, job, j.env, j.earlier, j.counts)
         if logger is not None:
             logger.set_tags({"env.earlier_ids": ""})
     write_parquet(out_dir / "records.parquet", result.records)
@@ -200,5 +234,84 @@ def run_training(job: dict, arrays: Path, samples: Path, partition_table: Path, 
         logger.log_artifact(out_dir / "final_model.pt", "model")
         logger.log_artifact(out_dir / "job.json")
         logger.finish("FINISHED")
-    ckpt.unlink(missing_ok=True)
+    j.ckpt.unlink(missing_ok=True)
 
+
+def run_training(job: dict, arrays: Path, samples: Path, partition_table: Path, out_dir: Path,
+                 parent_file: Path | None = None, clients_factory=None, extra_tags: dict[str, str] | None = None) -> None:
+    """Run one job end to end. Raises ParamsError/DataError/TableError naming the bad input
+    (ParamsError also where ``train.model`` cannot take this data set's samples),
+    MissingWeightsError when a pretrained checkpoint is not available offline, and
+    DivergenceError when the run diverges.
+
+    clients_factory: None runs every client here (the simulator); else ``fn(data, algo, train)
+    -> client side`` (:mod:`medpfl.fl.clients`), e.g. a deployment's sites
+    (:mod:`medpfl.deploy.server`); extra_tags: added to the MLflow run's tags."""
+    train = TrainConfig.model_validate(job["train"])
+    device = resolve_device(train.device)
+    configure_determinism(train.deterministic, device)  # before any CUDA work of this job
+    fdata = _load_data(job, arrays, samples, partition_table, device)
+    j = _prepare(job, fdata, arrays, partition_table, out_dir, parent_file, clients_factory, extra_tags)
+    try:
+        with j.bar:
+            result = j.engine.run()
+    except BaseException as e:
+        _failed(j, e)
+        raise
+    _finish(j, result)
+
+
+def same_but_seed(jobs: list[dict]) -> None:
+    """Raises ParamsError unless ``jobs`` are one method's jobs differing only in ``seed`` (and
+    distinct seeds): what :func:`run_stacked_seeds` may stack."""
+    if len({j["seed"] for j in jobs}) != len(jobs):
+        raise ParamsError(f"train.stack_seeds: the jobs repeat a seed ({[j['seed'] for j in jobs]})")
+    rest = [canonical_json({k: v for k, v in j.items() if k != "seed"}) for j in jobs]
+    if len(set(rest)) != 1:
+        diff = sorted({k for j in jobs[1:] for k in set(j) | set(jobs[0]) if k != "seed" and j.get(k) != jobs[0].get(k)})
+        raise ParamsError(f"train.stack_seeds: the stacked jobs must differ in their seed only; they differ in {diff}")
+
+
+def run_stacked_seeds(jobs: list[dict], arrays: Path, samples: Path, partition_table: Path, out_dirs: list[Path],
+                      parent_file: Path | None = None) -> None:
+    """Seeds of one method as one computation (``train.stack_seeds``, :mod:`medpfl.fl.seed_stack`):
+    ``jobs`` (one per seed, otherwise equal: :func:`same_but_seed`) share one copy of the data
+    on the device, and every round's local training of all seeds runs as one stacked program.
+    Each job writes into its own ``out_dirs[i]`` exactly what :func:`run_training` writes (job.json,
+    records, rounds, final model, its own MLflow run and checkpoint), so the DAG, the caches and
+    the reports cannot tell. A seed that fails (DivergenceError, ...) ends alone: the others
+    finish and write their outputs, then the first failure is raised (its checkpoint kept).
+    Raises ParamsError when the jobs differ in more than their seed or the counts differ."""
+    if len(jobs) != len(out_dirs):
+        raise ParamsError(f"train.stack_seeds: {len(jobs)} jobs but {len(out_dirs)} run folders")
+    same_but_seed(jobs)
+    if len(jobs) == 1:
+        return run_training(jobs[0], arrays, samples, partition_table, out_dirs[0], parent_file)
+    from medpfl.fl.seed_stack import run_seed_stack
+
+    train = TrainConfig.model_validate(jobs[0]["train"])
+    device = resolve_device(train.device)
+    configure_determinism(train.deterministic, device)
+    fdata = _load_data(jobs[0], arrays, samples, partition_table, device)  # one copy for every seed
+    prepared = [_prepare(j, fdata, arrays, partition_table, Path(d), parent_file, bar=False, stacked_seeds=True)
+                for j, d in zip(jobs, out_dirs)]
+    try:
+        outcomes = run_seed_stack([p.engine for p in prepared])
+    except BaseException as e:  # interrupted: every seed keeps its checkpoint
+        for p in prepared:
+            _failed(p, e)
+        raise
+    errors = []
+    for p, o in zip(prepared, outcomes):
+        if o.error is not None:
+            _failed(p, o.error)
+            errors.append((p, o.error))
+            continue
+        _finish(p, o.result)
+        log.info("%s seed %s: %d of %d rounds trained stacked with other seeds", p.job["method"], p.job["seed"],
+                 o.merged_rounds, p.engine.train.rounds)
+    if errors:
+        p, e = errors[0]
+        log.error("train.stack_seeds: %d of %d seeds failed (%s)", len(errors), len(jobs),
+                  ", ".join(f"seed {q.job['seed']}" for q, _ in errors))
+        raise e

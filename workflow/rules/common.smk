@@ -1,8 +1,10 @@
 # Helpers shared by the rule files. Parameters are validated here, once, before any job runs;
 # a typo in params.yaml or an overlay fails with the dotted key's name.
+import re
 import shlex
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 from medpfl.compose import validate_params
 from medpfl.config import canonical_json, partition_job, train_job
@@ -218,3 +220,42 @@ def report_outputs():
         study=STUDY,
         f=["table.md", "table.html", "summary.csv", "summary.json", "curves.png", "paired.csv"],
     )
+
+
+# train.stack_seeds (train_seeds in train.smk): every seed of a method in one job, on the data
+# sets whose seeds share one data set (not data.synthetic.<name>.seed_per_run)
+STACK_SEEDS = PARAMS.train.stack_seeds and len(PARAMS.seeds) > 1
+STACK_DIR = "results/{study}/runs/{dataset}/{partition}/{method}"
+STACKABLE_DATA = sorted({d for d, _ in PARAMS.dataset_partitions() if len({PARAMS.data_name(d, s) for s in PARAMS.seeds}) == 1})
+
+
+def _seed(wildcards, seed):
+    """``wildcards`` with the seed of a per-seed rule (what train_json, run_data read)."""
+    return SimpleNamespace(**dict(wildcards.items()), seed=str(seed))
+
+
+def stack_seed_data(wildcards):
+    """The data files every seed of the stack trains on (those of its first seed: shared)."""
+    return run_data(_seed(wildcards, PARAMS.seeds[0]))
+
+
+def stack_seed_outputs(name):
+    """One output path per seed of the study: the run folder's ``name``."""
+    return [f"{STACK_DIR}/seed{s}/{name}" for s in PARAMS.seeds]
+
+
+def stack_seed_args(wildcards, output):
+    """``--job J --out-dir D`` per seed, in seed order (medpfl train: several jobs stack)."""
+    return " ".join(f"--job {train_json(_seed(wildcards, s))} --out-dir {shlex.quote(str(Path(rec).parent))}"
+                    for s, rec in zip(PARAMS.seeds, output.records))
+
+
+def stack_seed_runtime(wildcards, input, attempt):
+    """One seed's runtime estimate (train_runtime) x the seeds (a CPU bound; far less on a GPU)."""
+    one = train_runtime(_seed(wildcards, PARAMS.seeds[0]), input, attempt)
+    return min(TRAIN_RUNTIME_CAP_MIN, one * len(PARAMS.seeds))
+
+
+def stack_data_constraint():
+    """The {dataset} wildcard constraint of train_seeds (train.smk), the data sets it may stack."""
+    return "|".join(map(re.escape, STACKABLE_DATA)) or "^$"

@@ -53,7 +53,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Generator, Iterator
 
 import numpy as np
 import pandas as pd
@@ -135,7 +135,8 @@ def require_server_data(algo: Algorithm, data: FederatedData, partition: str = "
 #: bump when the checkpoint layout or the engine's arithmetic changes (old checkpoints restart)
 ENGINE_VERSION = 2
 
-__all__ = ["DivergenceError", "Engine", "RunResult", "UploadSpecError", "check_upload", "fingerprint", "make_executor",
+__all__ = ["DivergenceError", "Engine", "RunResult", "TrainRequest", "UploadSpecError", "check_upload", "fingerprint",
+           "make_executor",
            "require_server_data", "resolve_device"]
 
 
@@ -226,6 +227,30 @@ class Engine:
                            for c in range(self.federation.num_clients)])
 
     def run(self) -> RunResult:
+        """Every round from the checkpoint (or round 0) to ``train.rounds``; the run's tables,
+        server state and client states. Each round's local training is
+        :meth:`TrainRequest.run` on this engine's client side (:meth:`rounds` yields it);
+        :func:`medpfl.fl.seed_stack.run_seed_stack` drives several engines' :meth:`rounds`
+        instead, their local training merged. Raises DivergenceError (see the module docstring)."""
+        gen = self.rounds()
+        try:
+            req = next(gen)
+            while True:
+                try:
+                    out = req.run(self.clients)
+                except Exception as e:  # raised where the round asked for it (its linear-algebra guard)
+                    req = gen.throw(e)
+                    continue
+                req = gen.send(out)
+        except StopIteration as stop:
+            return stop.value
+
+    def rounds(self) -> Generator["TrainRequest", Any, RunResult]:
+        """The run as a generator: yields each round's :class:`TrainRequest` and expects its
+        :class:`~medpfl.fl.clients.TrainedRound` back (``send``; an exception of local training
+        goes back with ``throw``); returns the :class:`RunResult` (``StopIteration.value``).
+        Between a yield and the next ``send`` nothing of this engine runs, so several engines'
+        requests of one round can be served by one computation."""
         algo, data, cs = self.algo, self.data, self.clients
         k = self.federation.num_clients
         state = self._load_checkpoint()
@@ -258,8 +283,7 @@ class Engine:
                                      f"its leading dim must be the {len(trainers)} clients that train this round")
             with self._linalg_guard(r, "in local training"):
                 # model selection (FHBench protocol): the same models on the val splits in evaluation rounds
-                out = cs.train_round(algo, down, trainers, rnd, score_val=self._has_val and self._is_eval_round(r),
-                                     trainer_index=tidx)
+                out = yield TrainRequest(self, down, trainers, rnd, self._has_val and self._is_eval_round(r), tidx)
             uploads = out.uploads
             if len(out.missing):  # a deployment: sites that did not answer in time leave the round
                 trainers, clients, agg_pos = self._without(out.missing, trainers, clients, agg_pos)
@@ -473,6 +497,27 @@ class Engine:
                         self.checkpoint)
             return None
         return (blob["server"], blob["client_states"], blob["records"], blob["rounds"], int(blob["next_round"]))
+
+
+@dataclass
+class TrainRequest:
+    """One round's local training as :meth:`Engine.rounds` asks for it: the trainers' local
+    programs on ``down`` (per-client rows in ``trainers`` order), each trained model scored on
+    its local test split (and val split with ``score_val``). ``trainer_index``: ``trainers`` as
+    int64 [m'] on the data's device (a row of the engine's device schedule), or None."""
+
+    engine: "Engine"
+    down: Any
+    trainers: np.ndarray
+    rnd: RoundInfo
+    score_val: bool
+    trainer_index: torch.Tensor | None
+
+    def run(self, clients: Any) -> Any:
+        """The request on ``clients`` (a client side, :mod:`medpfl.fl.clients`): its
+        :class:`~medpfl.fl.clients.TrainedRound`."""
+        return clients.train_round(self.engine.algo, self.down, self.trainers, self.rnd, score_val=self.score_val,
+                                   trainer_index=self.trainer_index)
 
 
 class DivergenceFlags:

@@ -220,11 +220,13 @@ class StackedExecutor(SequentialExecutor):
         return {k: torch.cat(v, dim=1) for k, v in parts.items()}
 
     def _run_pass_stacked(self, algo: Algorithm, p: Pass, trees: dict, ctx: dict, cdims: dict, ids: torch.Tensor,
-                          sizes: list[int], clients: list[int], rnd: RoundInfo) -> dict[str, torch.Tensor]:
+                          sizes: list[int], clients: list[int], rnd: RoundInfo, seeds: list[int] | None = None
+                          ) -> dict[str, torch.Tensor]:
         m = len(clients)
         bs = self._pass_batch_size(p, max(1, self.eval_batch_size // m))
-        plan, = _to_device([_Plan([pass_plan(n, bs, self.seed, rnd.round, c, p) for n, c in zip(sizes, clients)], bs)],
-                           ids.device)
+        seeds = self._row_seeds(seeds, m)
+        plan, = _to_device([_Plan([pass_plan(n, bs, sd, rnd.round, c, p) for n, c, sd in zip(sizes, clients, seeds)],
+                                  bs)], ids.device)
         t = trees if plan.identity else tree_index(trees, plan.perm)
         c = ctx if plan.identity else _permute(ctx, cdims, plan.perm)
         i = ids if plan.identity else ids[plan.perm]
@@ -242,16 +244,27 @@ class StackedExecutor(SequentialExecutor):
                 tree_map(lambda acc, v: acc[:a].add_(v), total, out)
         return total if plan.identity else tree_index(total, plan.inverse)
 
+    def _row_seeds(self, seeds: list[int] | None, m: int) -> list[int]:
+        """The run seed of each of the m rows: ``seeds`` (stacked seeds,
+        :mod:`medpfl.fl.seed_stack`) or this executor's seed for every row."""
+        if seeds is None:
+            return [self.seed] * m
+        if len(seeds) != m:
+            raise ValueError(f"{len(seeds)} row seeds for {m} clients")
+        return [int(v) for v in seeds]
+
     def _phase_plans(self, algo: Algorithm, phases: list[Phase], ctx: dict, cdims: dict, sizes: list[int],
-                     clients: list[int], rnd: RoundInfo) -> list[_Plan]:
+                     clients: list[int], rnd: RoundInfo, seeds: list[int] | None = None) -> list[_Plan]:
         """Every phase's batch plan (:class:`_Plan`), built on the host before the round's first
         local step and put on the device by one copy; per-client epochs (``Phase.epochs`` a
-        callable) read on the host in one go (one synchronisation for all phases)."""
+        callable) read on the host in one go (one synchronisation for all phases). ``seeds``:
+        each row's run seed (None: this executor's), the seed of its plans."""
         for ph in phases:
             if ph.until is not None:
                 raise ValueError(f"method {algo.name!r}, phase {ph.name!r}: an 'until' rule runs on the sequential "
                                  "executor only (declare not_stackable_because)")
         m = len(clients)
+        seeds = self._row_seeds(seeds, m)
         dynamic = [ph for ph in phases if callable(ph.epochs)]
         read = {}
         if dynamic:  # one host read for every phase whose epochs depend on the client's context
@@ -261,8 +274,9 @@ class StackedExecutor(SequentialExecutor):
         for ph in phases:
             epochs = read[ph.name] if callable(ph.epochs) else [self._epochs(ph)] * m
             bs = self._batch_size(ph)
-            per_client = [phase_plan(n, bs, e, self.seed, rnd.round, c, ph) if e > 0
-                          else torch.empty(0, bs, dtype=torch.int64) for n, e, c in zip(sizes, epochs, clients)]
+            per_client = [phase_plan(n, bs, e, sd, rnd.round, c, ph) if e > 0
+                          else torch.empty(0, bs, dtype=torch.int64)
+                          for n, e, c, sd in zip(sizes, epochs, clients, seeds)]
             plans.append(_Plan(per_client, bs))
         return _to_device(plans, self.data.device)
 
@@ -490,28 +504,38 @@ class StackedExecutor(SequentialExecutor):
         return [slice(a, min(a + size, m)) for a in range(0, m, size)] or [slice(0, 0)]
 
     def train_clients(self, algo: Algorithm, down: Download, states: dict[str, Any], clients: np.ndarray,
-                      rnd: RoundInfo) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+                      rnd: RoundInfo, seeds: list[int] | None = None, row_context: dict[str, Any] | None = None
+                      ) -> tuple[Any, dict[str, Any], dict[str, Any]]:
         """As :meth:`SequentialExecutor.train_clients`, the m clients vmapped together, or in
         consecutive chunks of ``train.stack_clients`` clients (each chunk one vmapped program;
         a client's batch plans depend on (seed, round, client) only, so chunking changes no
         draw, only which rows share a batched kernel). Returns stacked ``(eval models, uploads,
-        new states)`` with leading dim m, rows in ``clients`` order."""
+        new states)`` with leading dim m, rows in ``clients`` order.
+
+        Stacked seeds (:mod:`medpfl.fl.seed_stack`) give every row its own run seed (``seeds``,
+        m ints: the seed of its batch plans) and, in place of ``algo.shared_context`` of the
+        shared download, ``row_context``: that context computed per seed and laid out per row
+        (leading dim m, vmapped with ``in_dims=0``); ``down`` then has no shared part."""
         chunks = self._chunks(len(clients))
+        seeds = self._row_seeds(seeds, len(clients))
         if len(chunks) == 1:
-            return self._train_stacked(algo, down, states, clients, rnd)
+            return self._train_stacked(algo, down, states, clients, rnd, seeds, row_context)
         outs = []
         for sl in chunks:
             rows = torch.arange(sl.start, sl.stop, device=self.data.device)
             sub = Download(shared=down.shared, per_client=tree_index(down.per_client, rows), to_all=down.to_all,
                            synced=down.synced)
-            outs.append(self._train_stacked(algo, sub, tree_index(states, rows), clients[sl], rnd))
+            outs.append(self._train_stacked(algo, sub, tree_index(states, rows), clients[sl], rnd, seeds[sl],
+                                            None if row_context is None else tree_index(row_context, rows)))
         return tuple(_tree_cat([o[i] for o in outs]) for i in range(3))
 
     def _train_stacked(self, algo: Algorithm, down: Download, states: dict[str, Any], clients: np.ndarray,
-                       rnd: RoundInfo) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+                       rnd: RoundInfo, seeds: list[int] | None = None, row_context: dict[str, Any] | None = None
+                       ) -> tuple[Any, dict[str, Any], dict[str, Any]]:
         data, dev = self.data, self.data.device
         cl = [int(c) for c in clients]
         m = len(cl)
+        seeds = self._row_seeds(seeds, m)
         groups = [data.client_train[c] for c in cl]
         sizes = [len(g) for g in groups]
         cid = torch.as_tensor(cl, device=dev)  # the round's one copy of its trainers' ids
@@ -522,29 +546,31 @@ class StackedExecutor(SequentialExecutor):
         received = down.received()
         trees, cctx = vmap(algo.begin, in_dims=(down.received_dims(), 0, 0, None))(received, states, info, rnd)
         trees = tree_clone(trees)
-        shared_ctx = algo.shared_context(down.shared_received(), rnd)
+        # stacked seeds: each seed's shared context, laid out per row (in_dims 0)
+        shared_ctx = algo.shared_context(down.shared_received(), rnd) if row_context is None else row_context
         clash = set(shared_ctx) & set(cctx)
         if clash:
             raise ValueError(f"method {algo.name!r}: context keys {sorted(clash)} are both shared and per-client")
         ctx = {**shared_ctx, **cctx}
-        cdims: dict[str, Any] = {**{k: None for k in shared_ctx}, **{k: 0 for k in cctx}}
+        shared_dim = None if row_context is None else 0
+        cdims: dict[str, Any] = {**{k: shared_dim for k in shared_ctx}, **{k: 0 for k in cctx}}
         ids, _ = _pad_ids(groups)
         passes = algo.passes(rnd)
         for p in passes:
             if p.when == "before":
-                ctx[p.name] = self._run_pass_stacked(algo, p, trees, ctx, cdims, ids, sizes, cl, rnd)
+                ctx[p.name] = self._run_pass_stacked(algo, p, trees, ctx, cdims, ids, sizes, cl, rnd, seeds)
                 cdims[p.name] = 0
         sctx = self._sample_context_stacked(algo, ctx, cdims, ids)
         phases = algo.phases(rnd)
         self._check_phases(algo, phases)
-        plans = self._phase_plans(algo, phases, ctx, cdims, sizes, cl, rnd)
+        plans = self._phase_plans(algo, phases, ctx, cdims, sizes, cl, rnd, seeds)
         with local_steps():
             for ph, plan in zip(phases, plans):
                 trees = self._run_phase_stacked(algo, ph, plan, trees, ctx, cdims, sctx, ids, rnd)
         info["steps"] = {ph.name: plan.steps_dev for ph, plan in zip(phases, plans)}
         for p in passes:
             if p.when == "after":
-                info[p.name] = self._run_pass_stacked(algo, p, trees, ctx, cdims, ids, sizes, cl, rnd)
+                info[p.name] = self._run_pass_stacked(algo, p, trees, ctx, cdims, ids, sizes, cl, rnd, seeds)
         uploads, new_states, models = vmap(algo.finish, in_dims=(0, cdims, 0, 0, None))(trees, ctx, states, info, rnd)
         return models, uploads, new_states
 
