@@ -754,6 +754,21 @@ class SamplingConfig(_Strict):
 
     scheme: Literal["round_seeded", "seed_round", "stream"] = "round_seeded"
     seed: int | None = None
+    plans: Literal["host", "device"] = Field(
+        "host", description="how each client's mini-batch order is drawn: host (default): per client, "
+                            "torch.randperm from a CPU generator keyed by (seed, round, client), copied to the device "
+                            "(medpfl.fl.program.phase_plan); device: every client's plan of a phase in one batched "
+                            "computation on the device (medpfl.fl.program.device_plans: a keyed hash per position, "
+                            "argsort per epoch), the same layout, another sample of batches; both executors draw the "
+                            "same plans either way. Passes and subset windows stay on the host")
+
+    @model_serializer(mode="wrap")
+    def _drop_default_plans(self, handler):
+        """``plans: host`` is not dumped: job descriptions from before the key are unchanged."""
+        out = handler(self)
+        if isinstance(out, dict) and out.get("plans") == "host":
+            out.pop("plans")
+        return out
 
 
 class TransformConfig(_Strict):

@@ -23,7 +23,8 @@ from medpfl.fl.data import FederatedData
 from medpfl.fl.evaluation import eval_groups
 from medpfl.fl.memory import EvalSizer
 from medpfl.fl.optim import Chain, phase_optimizer
-from medpfl.fl.program import Download, Pass, Phase, RoundInfo, pass_plan, phase_plan, select
+from medpfl.fl.program import (Download, Pass, Phase, RoundInfo, device_plan_bounds, device_plans, pass_plan,
+                                phase_plan, select)
 from medpfl.fl.tree import tree_clone, tree_index, tree_map, tree_stack
 
 
@@ -76,6 +77,20 @@ class SequentialExecutor:
     def _optimizers(self, algo: Algorithm, ph: Phase, names: dict[str, list[str]], rnd: RoundInfo) -> dict[str, Chain]:
         """The phase's optimizer chain per trained tree (both executors)."""
         return phase_optimizer(ph, self.train.optimizer, rnd.lr, names, f"method {algo.name!r}, phase {ph.name!r}")
+
+    def device_plans(self, ph: Phase) -> bool:
+        """Whether phase ``ph``'s batch plans are drawn on the device (``train.sampling.plans:
+        device``; a phase with a ``subset`` window keeps the host draw)."""
+        sampling = getattr(self.train, "sampling", None)
+        return getattr(sampling, "plans", "host") == "device" and ph.subset >= 1.0
+
+    def _device_plan(self, n: int, bs: int, epochs: int, client: int, rnd: RoundInfo, ph: Phase) -> torch.Tensor:
+        """One client's device-drawn plan (:func:`~medpfl.fl.program.device_plans`, the row it
+        has in any batch of clients), int64 [steps, bs] on the data's device."""
+        width, max_epochs, steps = device_plan_bounds([n], [epochs], bs, ph)
+        keys = torch.tensor([n, epochs, self.seed, client], dtype=torch.int64).to(self.data.device)
+        return device_plans(keys[0:1], keys[1:2], keys[2:3], keys[3:4], rnd.round, bs, ph, width, max_epochs,
+                            steps)[0]
 
     def _epochs(self, ph: Phase) -> int:
         """The phase's epochs: its own (0 skips it), else ``train.local_epochs``."""
@@ -138,11 +153,16 @@ class SequentialExecutor:
         if use_until:
             epochs = ph.until.max_epochs
         bs = self._batch_size(ph)
-        plan_cpu = phase_plan(len(ids), bs, epochs, self.seed, rnd.round, client, ph)
-        counts = (plan_cpu >= 0).sum(1).tolist()
         size = max(1, int(ph.subset * len(ids))) if ph.subset < 1 else len(ids)  # as phase_plan's window
         per_epoch = -(-size // bs)
-        plan = plan_cpu.to(self.data.device)
+        if self.device_plans(ph):  # train.sampling.plans: device, this client's row of the batched draw
+            plan = self._device_plan(len(ids), bs, epochs, client, rnd, ph)
+            counts = [bs if s % per_epoch < per_epoch - 1 else size - (per_epoch - 1) * bs
+                      for s in range(plan.shape[0])]
+        else:
+            plan_cpu = phase_plan(len(ids), bs, epochs, self.seed, rnd.round, client, ph)
+            counts = (plan_cpu >= 0).sum(1).tolist()
+            plan = plan_cpu.to(self.data.device)
         flat = [(t, k) for t in names for k in names[t]]
         for t, k in flat:
             trees[t][k].requires_grad_(True)

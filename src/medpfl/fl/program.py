@@ -255,3 +255,105 @@ def pass_plan(n: int, batch_size: int, seed: int, round_idx: int, client: int, p
         if len(over):
             plan = plan[: int(over[0]) + 1]
     return plan
+
+
+# ----- batch plans drawn on the device (train.sampling.plans: device) ---------------------------
+def _signed(c: int) -> int:
+    """A 64-bit constant as the int64 value with the same bits."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN, _MIX1, _MIX2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+_INT64_MAX = (1 << 63) - 1
+
+
+def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 ``z`` by ``k`` bits (torch's ``>>`` is arithmetic on int64)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def mix64(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's output function (Steele, Lea & Flood, OOPSLA 2014; the finaliser of Java's
+    ``SplittableRandom``) on int64 tensors, any shape, any device: ``z = x + 0x9E3779B97F4A7C15;
+    z = (z ^ z>>>30) * 0xBF58476D1CE4E5B9; z = (z ^ z>>>27) * 0x94D049BB133111EB; z ^ z>>>31``,
+    in two's-complement wrap-around arithmetic (torch's int64 add and multiply wrap)."""
+    z = x + _GOLDEN
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    return z ^ _shr(z, 31)
+
+
+def phase_key(phase: Phase | str) -> int:
+    """The phase's part of a device-drawn plan's key: 0 for the phase named ``train`` (as
+    :func:`phase_plan` keys it without its name), else 63 bits of the name's hash."""
+    name = phase.name if isinstance(phase, Phase) else phase
+    return 0 if name == "train" else derive_seed("phase", name)
+
+
+def device_plan_steps(n: int, batch_size: int, epochs: int, phase: Phase) -> int:
+    """Steps of a device-drawn plan (as :func:`phase_plan`'s): ``epochs * ceil(n / batch_size)``,
+    or ``phase.steps`` where set; 0 for ``epochs <= 0``."""
+    if epochs <= 0:
+        return 0
+    return phase.steps if phase.steps is not None else epochs * -(-n // batch_size)
+
+
+def device_plans(sizes: torch.Tensor, epochs: torch.Tensor, seeds: torch.Tensor, clients: torch.Tensor,
+                 round_idx: int, batch_size: int, phase: Phase, width: int, max_epochs: int, max_steps: int
+                 ) -> torch.Tensor:
+    """Every client's batch plan of one phase in one batched computation on the device of the
+    inputs (``train.sampling.plans: device``): int64 ``[m, max_steps, batch_size]``, row j client
+    ``clients[j]``'s plan (positions into its local train set, -1 on padding), laid out as
+    :func:`phase_plan` lays it out (each epoch a permutation of its ``n_j`` positions in
+    ``ceil(n_j / batch_size)`` batches, the last one partial; ``phase.steps`` truncates or cycles
+    the epochs' batches), padded with -1 after its ``device_plan_steps`` steps.
+
+    Each epoch's order is ``argsort`` of ``mix64(key ^ (epoch << 32 | position))`` over the
+    client's positions, with ``key = mix64(mix64(mix64(mix64(seed) ^ round) ^ client) ^
+    phase_key)``: a function of (seed, round, client, phase, epoch) only, so a client draws the
+    same plan alone, in any chunk and beside any other clients or seeds (stacked seeds, both
+    executors). Not :func:`phase_plan`'s draws (another generator): a run with ``device`` plans
+    is another sample of batches than the default's. ``shuffle=False`` keeps the stored order.
+    No value is read on the host: ``width`` (the largest ``n_j``), ``max_epochs`` (the most
+    epochs any client draws, ``ceil(phase.steps / ceil(n_j / batch_size))`` with ``steps``) and
+    ``max_steps`` are the caller's host integers.
+
+    sizes, epochs, seeds, clients: int64 [m] on one device. Raises ValueError for a phase with
+    ``subset < 1`` (its window is drawn on the host: :func:`phase_plan`).
+    """
+    if phase.subset < 1.0:
+        raise ValueError(f"phase {phase.name!r}: a subset window is drawn on the host (phase_plan)")
+    dev = sizes.device
+    m, b = sizes.shape[0], batch_size
+    pos = torch.arange(width, device=dev, dtype=torch.int64)                        # [L]
+    ep = torch.arange(max(max_epochs, 1), device=dev, dtype=torch.int64)            # [E]
+    n = sizes.view(m, 1, 1)
+    valid = pos.view(1, 1, -1) < n                                                  # [m, 1, L]
+    if phase.shuffle:
+        key = mix64(mix64(mix64(mix64(seeds) ^ round_idx) ^ clients) ^ phase_key(phase))  # [m]
+        u = mix64(key.view(m, 1, 1) ^ ((ep.view(1, -1, 1) << 32) | pos.view(1, 1, -1)))   # [m, E, L]
+        order = torch.argsort(torch.where(valid, u, _INT64_MAX), dim=-1, stable=True)
+    else:
+        order = pos.expand(m, ep.shape[0], width)
+    per_epoch = (sizes + b - 1) // b                                                # [m]
+    step = ep.view(1, -1, 1) * per_epoch.view(m, 1, 1) + pos.view(1, 1, -1) // b     # [m, E, L]
+    if phase.steps is not None:
+        epochs_needed = (phase.steps + per_epoch - 1) // per_epoch
+        keep = (valid & (ep.view(1, -1, 1) < epochs_needed.view(m, 1, 1)) & (step < phase.steps)
+                & (epochs.view(m, 1, 1) > 0))
+    else:
+        keep = valid & (ep.view(1, -1, 1) < epochs.view(m, 1, 1))
+    dump = max_steps * b
+    flat = torch.where(keep, step * b + pos.view(1, 1, -1) % b, dump)
+    plan = torch.full((m, dump + 1), -1, dtype=torch.int64, device=dev)
+    plan.scatter_(1, flat.reshape(m, -1), torch.where(keep, order, -1).reshape(m, -1))
+    return plan[:, :dump].view(m, max_steps, b)
+
+
+def device_plan_bounds(sizes: list[int], epochs: list[int], batch_size: int, phase: Phase) -> tuple[int, int, int]:
+    """``(width, max_epochs, max_steps)`` of :func:`device_plans` for clients of ``sizes`` drawing
+    ``epochs`` (host integers)."""
+    per = [-(-n // batch_size) for n in sizes]
+    need = [(-(-phase.steps // p) if phase.steps is not None else e) if e > 0 else 0 for p, e in zip(per, epochs)]
+    steps = [device_plan_steps(n, batch_size, e, phase) for n, e in zip(sizes, epochs)]
+    return max(sizes, default=1), max(need, default=1), max(steps, default=0)

@@ -36,7 +36,8 @@ from torch.func import vmap
 from medpfl.algorithms.base import Algorithm
 from medpfl.fl.executors import SequentialExecutor, _grad
 from medpfl.fl.optim import relayout_leaf_, rows as state_rows
-from medpfl.fl.program import Download, Pass, Phase, RoundInfo, pass_plan, phase_plan
+from medpfl.fl.program import (Download, Pass, Phase, RoundInfo, device_plan_bounds, device_plan_steps, device_plans,
+                                pass_plan, phase_plan)
 from medpfl.fl.graphs import _StaticStep, _phase_signature
 from medpfl.fl.tree import tree_clone, tree_index, tree_leaves, tree_map
 
@@ -170,6 +171,34 @@ class _Plan:
         return self
 
 
+class _DevicePlan(_Plan):
+    """A :class:`_Plan` drawn on the device (``train.sampling.plans: device``): the host holds only
+    the clients' keys (sizes, epochs, seeds, client ids) and the step counts; :meth:`place` draws
+    every client's plan in one batched computation
+    (:func:`~medpfl.fl.program.device_plans`) from the keys' device copy and sorts its rows."""
+
+    def __init__(self, sizes: list[int], epochs: list[int], seeds: list[int], clients: list[int], batch_size: int,
+                 round_idx: int, phase: Phase):
+        m = len(sizes)
+        steps_k = [device_plan_steps(n, batch_size, e, phase) for n, e in zip(sizes, epochs)]
+        self.order = sorted(range(m), key=lambda j: -steps_k[j])
+        self.identity = self.order == list(range(m))
+        self.steps = steps_k[self.order[0]] if m else 0
+        self.n_active = [sum(1 for j in self.order if steps_k[j] > s) for s in range(self.steps)]
+        self.steps_k = steps_k
+        self.keys = torch.tensor([sizes, epochs, seeds, clients], dtype=torch.int64).view(4, m)
+        self.bounds = device_plan_bounds(sizes, epochs, batch_size, phase)
+        self.batch_size, self.round_idx, self.phase = batch_size, round_idx, phase
+
+    def host_parts(self) -> list[torch.Tensor]:
+        return [self.keys, torch.as_tensor(self.order, dtype=torch.int64), torch.as_tensor(self.steps_k, dtype=torch.int64)]
+
+    def place(self, keys: torch.Tensor, perm: torch.Tensor, steps: torch.Tensor) -> "_Plan":
+        plan = device_plans(keys[0], keys[1], keys[2], keys[3], self.round_idx, self.batch_size, self.phase,
+                            *self.bounds)
+        return super().place(plan if self.identity else plan[perm], perm, steps)
+
+
 def _to_device(plans: list[_Plan], device: torch.device) -> list[_Plan]:
     """Every plan's device tensors from one host-to-device copy (a pageable copy synchronises
     the host with the device on CUDA: once per call, not once per phase)."""
@@ -274,6 +303,9 @@ class StackedExecutor(SequentialExecutor):
         for ph in phases:
             epochs = read[ph.name] if callable(ph.epochs) else [self._epochs(ph)] * m
             bs = self._batch_size(ph)
+            if self.device_plans(ph):  # train.sampling.plans: device: drawn in one batched computation there
+                plans.append(_DevicePlan(sizes, [int(e) for e in epochs], seeds, clients, bs, rnd.round, ph))
+                continue
             per_client = [phase_plan(n, bs, e, sd, rnd.round, c, ph) if e > 0
                           else torch.empty(0, bs, dtype=torch.int64)
                           for n, e, c, sd in zip(sizes, epochs, clients, seeds)]
