@@ -101,6 +101,9 @@ TOLERANCE = {
                                  "3 per round, 1 epoch, 2 rounds): same records; per record |d correct| <= "
                                  "max(1, ceil(0.05 n)); |d loss| <= 2e-2 + 2e-2 |loss|; mean |d accuracy| <= 0.01; "
                                  "bytes up/down within 5 %; measured maxima in each test's properties",
+    "tests/test_seed_stack.py": "train.stack_seeds on CUDA: 3 FedKPer seeds stacked vs their separate stacked runs: "
+                                "counts equal, losses within 1e-4",
+    "tests/test_device_plans.py": "train.sampling.plans: device: the plans drawn on CUDA equal the CPU's",
     "tests/test_gpu.py": "FedAvg and FedKPer, CUDA sequential and stacked vs the CPU sequential reference: "
                          "accuracies within 0.02; bf16 autocast computes in bfloat16, mean accuracy within 0.05",
 }
@@ -124,14 +127,16 @@ def parse_junit(path: Path) -> list[dict]:
 def part1_tests(ctx, checkpoint) -> dict:
     junit = ctx.work / "part1-junit.xml"
     junit.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "pytest", "tests/test_gpu.py", "tests/test_gpu_methods.py", "-q", "-rfEs",
+    cmd = [sys.executable, "-m", "pytest", "tests/test_gpu.py", "tests/test_gpu_methods.py",
+           "tests/test_seed_stack.py::test_stacked_seeds_on_cuda_equal_their_separate_runs",
+           "tests/test_device_plans.py::test_cuda_draws_the_cpu_plans", "-q", "-rfEs",
            "-p", "no:cacheprovider", "-o", "junit_family=legacy", f"--junitxml={junit}"]
     k = ctx.tests_k
     if k:
         cmd += ["-k", k]
     elif ctx.dry_run:  # one stackable method and the one that is not (its check is the error path)
         k = "dry run: fedavg and fedala only"
-        cmd[3:5] = ["tests/test_gpu.py", *[f"tests/test_gpu_methods.py::test_stacked_matches_sequential_on_the_device"
+        cmd[3:7] = ["tests/test_gpu.py", *[f"tests/test_gpu_methods.py::test_stacked_matches_sequential_on_the_device"
                                            f"[{m}]" for m in ("fedavg", "fedala")]]
     env = {**os.environ, "MEDPFL_GPU_TEST_DEVICE": ctx.device}
     log(" ".join(cmd[1:]))

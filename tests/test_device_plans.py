@@ -132,3 +132,15 @@ def test_default_plans_are_not_written_into_job_descriptions():
     assert TrainConfig(sampling={"plans": "device"}).model_dump()["sampling"]["plans"] == "device"
     with pytest.raises(ValueError, match="plans"):
         TrainConfig(sampling={"plans": "gpu"})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_draws_the_cpu_plans():
+    """The hash wraps alike on CUDA: the same keys give the same plans there as on the CPU."""
+    sizes, epochs, seeds, clients = [23, 9, 40], [2, 3, 1], [1, 2, 3], [4, 5, 6]
+    ph = Phase(name="train")
+    cpu = draw(sizes, epochs, 4, ph, seeds, clients, round_idx=7)
+    t = lambda v: torch.tensor(v, dtype=torch.int64, device="cuda")  # noqa: E731
+    gpu = device_plans(t(sizes), t(epochs), t(seeds), t(clients), 7, 4, ph, *device_plan_bounds(sizes, epochs, 4, ph))
+    assert torch.equal(gpu.cpu(), cpu)
