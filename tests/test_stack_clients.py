@@ -34,9 +34,9 @@ def _run(fed_data, method: str, stack_clients: int | None, calls: list | None = 
         ex = eng.clients.executor
         real = ex._train_stacked
 
-        def spy(algo, down, states, clients, rnd):
+        def spy(algo, down, states, clients, rnd, *rest):  # rest: the rows' seeds and context (stacked seeds)
             calls.append(len(clients))
-            return real(algo, down, states, clients, rnd)
+            return real(algo, down, states, clients, rnd, *rest)
 
         ex._train_stacked = spy
     return eng.run()
