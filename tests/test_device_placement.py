@@ -331,3 +331,30 @@ def test_round_clock_times_cuda_work_without_a_synchronize():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert 0.0 < clock.seconds(a, b) < 60.0
+
+
+@pytest.mark.parametrize("plans", ["host", "device"])
+def test_batch_plans_reach_the_device_in_one_copy(emu_data, fed_data, plans, monkeypatch):
+    """A stacked FedKPer round with ``train.sampling.plans`` host or device: drawing the round's
+    plans makes exactly one host synchronisation (the one host-to-device copy: the host plans, or
+    the device draw's keys), none in the local steps; the records equal the same round on the
+    CPU."""
+    mode = EmulatedDevice()
+    monkeypatch.setattr(stacked, "local_steps", lambda: mode.no_sync("local steps"))
+    real = stacked.StackedExecutor._phase_plans
+
+    def counted(self, *a, **kw):
+        with mode.region("plans"):
+            return real(self, *a, **kw)
+
+    monkeypatch.setattr(stacked.StackedExecutor, "_phase_plans", counted)
+
+    def run(data, device):
+        train = _train(model="cnn4", rounds=1, checkpoint_every=0, sampling={"plans": plans})
+        return Engine(make_algo("fedkper", device=device), data, train, EvalConfig(every=1), seed=1,
+                      executor_kind="stacked", fingerprint="plans").run()
+
+    with mode:
+        res = run(emu_data, emu_data.device)
+    assert {k: v for k, v in mode.syncs.items() if k[0] == "plans"} == {("plans", "host-to-device copy"): 1}
+    pd.testing.assert_frame_equal(res.records, run(fed_data, "cpu").records)
