@@ -396,6 +396,7 @@ def test_a_new_model_starts_from_its_own_default_arguments(base):
     ({"rounds": 0}, "method_params.v.train.rounds"),
     ({"model": "mlr", "model_args": {"hidden": 3}}, "method_params.v.train.model_args"),
     (5, "method_params.v.train"),
+    ({"stack_seeds": True}, "method_params.v.train.stack_seeds: the switch is study-wide"),
 ])
 def test_bad_method_train_overrides_name_the_key(base, train, key):
     data = _with(base, "method_params", {"v": {"algorithm": "fedavg", "train": train}})
@@ -435,3 +436,13 @@ def test_pfedkd_synthetic_1500_overlay_changes_only_the_rounds_and_methods():
         assert long.method_config(m)[1] == base.method_config(m)[1]
         assert long.method_train(m) == base.method_train(m).model_copy(update={"rounds": 1500})
     assert long.dataset_partitions() == base.dataset_partitions()
+
+
+def test_stack_seeds_is_study_wide_and_not_in_job_descriptions(base):
+    """``train.stack_seeds`` validates at the study level (with the stacked executor only) and is
+    never written into a run's train section, so turning it on changes no job description."""
+    p = validate_params(_with(base, "train.stack_seeds", True))
+    assert p.train.stack_seeds and "stack_seeds" not in p.method_train(p.methods[0]).model_dump()
+    bad = _with(base, "train.stack_seeds", True)
+    bad["train"]["executor"] = "sequential"
+    assert "train.stack_seeds" in _error(bad)

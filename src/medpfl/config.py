@@ -1433,6 +1433,9 @@ class Params(_Strict):
         ``where`` names the overriding section in errors."""
         if not isinstance(over, dict):
             raise ParamsError(f"{where}: expected a mapping of train keys, got {over!r}")
+        if "stack_seeds" in over:  # how seeds are grouped into jobs: one switch for the study's DAG
+            raise ParamsError(f"{where}.stack_seeds: the switch is study-wide (one Snakemake rule for every method); "
+                              "set train.stack_seeds instead")
         base = train.model_dump()
         if "model" in over and over["model"] != base.get("model"):
             base.pop("model_args", None)
