@@ -119,9 +119,11 @@ class _Job:
         return self.out_dir / "checkpoint.pt"
 
 
-def _load_data(job: dict, arrays: Path, samples: Path, partition_table: Path, device: torch.device) -> FederatedData:
-    """The job's federated data on ``device``. Raises PartitionError when the table's client
-    count differs from ``partitions.<name>.num_clients``."""
+def _load_data(job: dict, train: TrainConfig, arrays: Path, samples: Path, partition_table: Path,
+               device: torch.device) -> FederatedData:
+    """The job's federated data on ``device`` (``train``: the job's validated train section, for its
+    input transform). Raises PartitionError when the table's client count differs from
+    ``partitions.<name>.num_clients``."""
     data = load_processed(arrays, samples)
     # SharedPartitionTable: clients may share samples (per_client_dirichlet); disjoint schemes are
     # checked for disjointness when the partition stage builds them
@@ -131,7 +133,6 @@ def _load_data(job: dict, arrays: Path, samples: Path, partition_table: Path, de
         raise PartitionError(f"{partition_table}: holds {k} clients, partitions.{job['partition']}.num_clients says "
                              f"{job['num_clients']} (re-run the partition stage)")
     # pool all: every split was partitioned, no global test set; transform: train.transform
-    train = TrainConfig.model_validate(job["train"])
     return FederatedData.build(data, table, device, pool=job.get("pool", "train"), transform=train.transform)
 
 
@@ -250,7 +251,7 @@ def run_training(job: dict, arrays: Path, samples: Path, partition_table: Path, 
     train = TrainConfig.model_validate(job["train"])
     device = resolve_device(train.device)
     configure_determinism(train.deterministic, device)  # before any CUDA work of this job
-    fdata = _load_data(job, arrays, samples, partition_table, device)
+    fdata = _load_data(job, train, arrays, samples, partition_table, device)
     j = _prepare(job, fdata, arrays, partition_table, out_dir, parent_file, clients_factory, extra_tags)
     try:
         with j.bar:
@@ -292,7 +293,7 @@ def run_stacked_seeds(jobs: list[dict], arrays: Path, samples: Path, partition_t
     train = TrainConfig.model_validate(jobs[0]["train"])
     device = resolve_device(train.device)
     configure_determinism(train.deterministic, device)
-    fdata = _load_data(jobs[0], arrays, samples, partition_table, device)  # one copy for every seed
+    fdata = _load_data(jobs[0], train, arrays, samples, partition_table, device)  # one copy for every seed
     prepared = [_prepare(j, fdata, arrays, partition_table, Path(d), parent_file, bar=False, stacked_seeds=True)
                 for j, d in zip(jobs, out_dirs)]
     try:

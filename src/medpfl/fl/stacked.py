@@ -143,16 +143,21 @@ class _Plan:
 
     def __init__(self, plans: list[torch.Tensor], batch_size: int):
         m = len(plans)
-        steps_k = [p.shape[0] for p in plans]
+        self._sort([p.shape[0] for p in plans])
+        plan = torch.full((m, self.steps, batch_size), -1, dtype=torch.int64)
+        for r, j in enumerate(self.order):
+            plan[r, : self.steps_k[j]] = plans[j]
+        self.host = plan
+
+    def _sort(self, steps_k: list[int]) -> None:
+        """The row order by decreasing step count (``order``, ``identity``), the longest count
+        (``steps``) and the active rows per step (``n_active``) from each client's ``steps_k``."""
+        m = len(steps_k)
+        self.steps_k = steps_k
         self.order = sorted(range(m), key=lambda j: -steps_k[j])
         self.identity = self.order == list(range(m))
         self.steps = steps_k[self.order[0]] if m else 0
         self.n_active = [sum(1 for j in self.order if steps_k[j] > s) for s in range(self.steps)]
-        plan = torch.full((m, self.steps, batch_size), -1, dtype=torch.int64)
-        for r, j in enumerate(self.order):
-            plan[r, : steps_k[j]] = plans[j]
-        self.host = plan
-        self.steps_k = steps_k
 
     def host_parts(self) -> list[torch.Tensor]:
         """What :meth:`place` needs on the device, as host tensors (int64)."""
@@ -180,12 +185,7 @@ class _DevicePlan(_Plan):
     def __init__(self, sizes: list[int], epochs: list[int], seeds: list[int], clients: list[int], batch_size: int,
                  round_idx: int, phase: Phase):
         m = len(sizes)
-        steps_k = [device_plan_steps(n, batch_size, e, phase) for n, e in zip(sizes, epochs)]
-        self.order = sorted(range(m), key=lambda j: -steps_k[j])
-        self.identity = self.order == list(range(m))
-        self.steps = steps_k[self.order[0]] if m else 0
-        self.n_active = [sum(1 for j in self.order if steps_k[j] > s) for s in range(self.steps)]
-        self.steps_k = steps_k
+        self._sort([device_plan_steps(n, batch_size, e, phase) for n, e in zip(sizes, epochs)])
         self.keys = torch.tensor([sizes, epochs, seeds, clients], dtype=torch.int64).view(4, m)
         self.bounds = device_plan_bounds(sizes, epochs, batch_size, phase)
         self.batch_size, self.round_idx, self.phase = batch_size, round_idx, phase
