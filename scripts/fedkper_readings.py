@@ -27,10 +27,21 @@ Avg Global Consistency
     ``spec``        on the global model's plain accuracy on the global test set, every round;
     ``tail``        with the unrecovered trailing interval counted.
 
-Per method, the mean over the seeds found. Reads only ``records.parquet``, so it works on a study's
-``runs/`` or on its git archive (``scripts/study_archive.py``)::
+For the two local-accuracy columns, one more reading mixes two of these by where the paper's rows
+come from (protocol Section 6): ``framework`` is ``spec`` for the methods the authors ran in their
+own framework, whose logger records the balanced ("classwise") accuracy (FedAvg, FedProx, MOON,
+FedNTD, FedCurv from ``zfowler3/fl-repo``; FedKPer), and ``plain`` for the personalized baselines
+found in no public code of theirs and most likely ported from PFLlib, which scores plain accuracy
+(``../shared/docs/peers.md`` Section 1, "Metrics").
 
-    python scripts/fedkper_readings.py results/fedkper-table1-cpu/archive --out readings.csv
+Per method, the mean over the seeds found. Reads only ``records.parquet``, so it works on a study's
+``runs/`` or on its git archive (``scripts/study_archive.py``). With ``--paper-table``, each reading
+is also compared with the paper's column: ours − paper per method, and per reading the mean
+|ours − paper|, how many methods lie within 0.05 and the Spearman rank correlation over the
+methods both have (``medpfl.report.paper``'s conventions)::
+
+    python scripts/fedkper_readings.py results/fedkper-table1-cpu/archive \
+        --paper-table config/papers/fedkper-table1.yaml --out readings.csv
 
 Raises SystemExit when no ``*/*/*/seed*/records.parquet`` is found under the folder.
 """
@@ -46,6 +57,10 @@ import pandas as pd
 from medpfl.metrics import consistency
 
 LOCAL_READINGS = ("spec", "plain", "deployed", "global")
+# The rows the FedKPer authors ran in their own framework (protocol Section 6); the others' local
+# accuracy is read as PFLlib's plain accuracy in the ``framework`` reading.
+AUTHORS_FRAMEWORK = frozenset({"fedavg", "fedprox", "moon", "fedntd", "fedcurv", "fedkper"})
+COLUMNS = ("avg_local_acc", "avg_worst_client_acc", "local_consistency", "global_consistency")
 LOCAL_CONSISTENCY_READINGS = ("spec", "rows", "plain", "tail", "worst")
 GLOBAL_CONSISTENCY_READINGS = ("spec", "tail")
 
@@ -115,18 +130,75 @@ def per_method(runs: pd.DataFrame) -> pd.DataFrame:
     return out.reset_index()
 
 
+def add_framework_reading(table: pd.DataFrame) -> pd.DataFrame:
+    """``<column>:framework`` for the two local-accuracy columns: ``spec`` for the methods in
+    :data:`AUTHORS_FRAMEWORK`, ``plain`` for the others (module docstring). Returns a copy."""
+    out = table.copy()
+    own = out["method"].isin(AUTHORS_FRAMEWORK)
+    for column in ("avg_local_acc", "avg_worst_client_acc"):
+        out[f"{column}:framework"] = out[f"{column}:spec"].where(own, out[f"{column}:plain"])
+    return out
+
+
+def against_paper(table: pd.DataFrame, paper_table: Path, dataset: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Each reading of :func:`per_method`'s table against the paper's value.
+
+    Returns ``(diffs, agreement)``: ``diffs`` one row per (column, reading, method) with ``ours``,
+    ``paper`` and ``diff`` (ours − paper); ``agreement`` one row per (column, reading) with
+    ``methods``, ``mean_abs_diff``, ``within_0.05`` and ``spearman_rho`` (NaN below 3 methods).
+    Methods the paper has no row for (``fedbabu-pervisit``) are left out. Raises
+    :class:`medpfl.report.paper.PaperTableError` for a bad paper table file and SystemExit when it
+    has no values for ``dataset``."""
+    from scipy import stats
+
+    from medpfl.report.paper import load_paper_table
+
+    paper = load_paper_table(paper_table)
+    values = paper.values.get(dataset)
+    if values is None:
+        raise SystemExit(f"{paper_table}: no values for data set {dataset!r} (has {sorted(paper.values)})")
+    rows = []
+    part = table[table["dataset"] == dataset]
+    for col in [c for c in part.columns if ":" in c]:
+        column, reading = col.split(":")
+        for method, ours in zip(part["method"], part[col]):
+            cell = values.get(method, {}).get(column)
+            if cell is None or pd.isna(ours):
+                continue
+            rows.append({"column": column, "reading": reading, "method": method, "ours": float(ours),
+                         "paper": cell[0], "diff": float(ours) - cell[0]})
+    diffs = pd.DataFrame(rows, columns=["column", "reading", "method", "ours", "paper", "diff"])
+    agree = []
+    for (column, reading), g in diffs.groupby(["column", "reading"], sort=False):
+        rho = float(stats.spearmanr(g["ours"], g["paper"]).statistic) if len(g) >= 3 else float("nan")
+        agree.append({"column": column, "reading": reading, "methods": len(g),
+                      "mean_abs_diff": float(g["diff"].abs().mean()),
+                      "within_0.05": int((g["diff"].abs() <= 0.05).sum()), "spearman_rho": rho})
+    return diffs, pd.DataFrame(agree)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folder", type=Path, help="a study's runs/ or archive/ folder")
     ap.add_argument("--out", type=Path, help="also write the per-method table as CSV")
+    ap.add_argument("--paper-table", type=Path, help="compare every reading with this paper table "
+                    "(e.g. config/papers/fedkper-table1.yaml)")
+    ap.add_argument("--dataset", default="bloodmnist", help="the paper table's data set (default: bloodmnist)")
     a = ap.parse_args(argv)
-    table = per_method(study_readings(a.folder))
+    table = add_framework_reading(per_method(study_readings(a.folder)))
     if a.out:
         table.to_csv(a.out, index=False)
-    for column in ("avg_local_acc", "avg_worst_client_acc", "local_consistency", "global_consistency"):
+    for column in COLUMNS:
         cols = [c for c in table.columns if c.startswith(column + ":")]
         part = table[["method", "seeds", *cols]].rename(columns={c: c.split(":")[1] for c in cols})
         print(f"\n{column}\n{part.round(3).to_string(index=False)}")
+    if a.paper_table:
+        diffs, agree = against_paper(table, a.paper_table, a.dataset)
+        for column in COLUMNS:
+            d = diffs[diffs["column"] == column].pivot(index="method", columns="reading", values="diff")
+            d.insert(0, "paper", diffs[diffs["column"] == column].groupby("method")["paper"].first())
+            print(f"\n{column}: ours - paper\n{d.round(3).to_string()}")
+        print(f"\nagreement with the paper per reading\n{agree.round(3).to_string(index=False)}")
 
 
 if __name__ == "__main__":

@@ -82,3 +82,34 @@ def test_a_run_without_a_view_gives_nan_and_the_table_averages_seeds(script, tmp
 def test_main_fails_clearly_on_a_folder_without_runs(script, tmp_path):
     with pytest.raises(SystemExit, match="no \\*/\\*/\\*/seed\\*/records.parquet"):
         script["main"]([str(tmp_path)])
+
+
+def test_framework_reading_and_the_paper_comparison(script, tmp_path):
+    """The framework reading takes spec for the authors' own methods and plain for the ported ones;
+    the comparison gives ours - paper per method and the rank agreement per reading."""
+    table = pd.DataFrame({
+        "dataset": ["d"] * 4, "partition": ["p"] * 4, "method": ["fedavg", "fedkper", "ditto", "fedala"],
+        "seeds": [3] * 4,
+        "avg_local_acc:spec": [0.70, 0.80, 0.60, 0.75], "avg_local_acc:plain": [0.90, 0.95, 0.85, 0.88],
+        "avg_worst_client_acc:spec": [0.5, 0.6, 0.4, 0.55], "avg_worst_client_acc:plain": [0.6, 0.7, 0.5, 0.65],
+    })
+    mixed = script["add_framework_reading"](table)
+    assert list(mixed["avg_local_acc:framework"]) == [0.70, 0.80, 0.85, 0.88]
+    assert list(mixed["avg_worst_client_acc:framework"]) == [0.5, 0.6, 0.5, 0.65]
+    paper = tmp_path / "paper.yaml"
+    cells = {"fedavg": 0.72, "fedkper": 0.86, "ditto": 0.80, "fedala": 0.90}
+    paper.write_text(
+        "title: t\nsource: s\nmetrics:\n  avg_local_acc: {label: L}\nvalues:\n  d:\n"
+        + "".join(f"    {m}: {{avg_local_acc: [{v}, 0.1]}}\n" for m, v in cells.items()))
+    diffs, agree = script["against_paper"](mixed, paper, "d")
+    fw = diffs[(diffs["column"] == "avg_local_acc") & (diffs["reading"] == "framework")].set_index("method")
+    assert fw.loc["ditto", "diff"] == pytest.approx(0.05)
+    assert fw.loc["fedkper", "diff"] == pytest.approx(-0.06)
+    row = agree[(agree["column"] == "avg_local_acc") & (agree["reading"] == "framework")].iloc[0]
+    assert row["methods"] == 4
+    assert row["mean_abs_diff"] == pytest.approx((0.02 + 0.06 + 0.05 + 0.02) / 4)
+    assert row["within_0.05"] == 3  # 0.02, 0.05 and 0.02; not 0.06
+    assert row["spearman_rho"] == pytest.approx(0.8)  # ranks: ours 1, 2, 3, 4; paper 1, 3, 2, 4
+    assert diffs[diffs["column"] == "avg_worst_client_acc"].empty  # the paper table has no such cells
+    with pytest.raises(SystemExit, match="no values for data set 'x'"):
+        script["against_paper"](mixed, paper, "x")
