@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
 from medpfl.metrics import consistency
