@@ -148,9 +148,7 @@ def against_paper(table: pd.DataFrame, paper_table: Path, dataset: str) -> tuple
     Methods the paper has no row for (``fedbabu-pervisit``) are left out. Raises
     :class:`medpfl.report.paper.PaperTableError` for a bad paper table file and SystemExit when it
     has no values for ``dataset``."""
-    from scipy import stats
-
-    from medpfl.report.paper import load_paper_table
+    from medpfl.report.paper import load_paper_table, rank_agreement
 
     paper = load_paper_table(paper_table)
     values = paper.values.get(dataset)
@@ -167,13 +165,15 @@ def against_paper(table: pd.DataFrame, paper_table: Path, dataset: str) -> tuple
             rows.append({"column": column, "reading": reading, "method": method, "ours": float(ours),
                          "paper": cell[0], "diff": float(ours) - cell[0]})
     diffs = pd.DataFrame(rows, columns=["column", "reading", "method", "ours", "paper", "diff"])
-    agree = []
-    for (column, reading), g in diffs.groupby(["column", "reading"], sort=False):
-        rho = float(stats.spearmanr(g["ours"], g["paper"]).statistic) if len(g) >= 3 else float("nan")
-        agree.append({"column": column, "reading": reading, "methods": len(g),
-                      "mean_abs_diff": float(g["diff"].abs().mean()),
-                      "within_0.05": int((g["diff"].abs() <= 0.05).sum()), "spearman_rho": rho})
-    return diffs, pd.DataFrame(agree)
+    # the report's own agreement (medpfl.report.paper.rank_agreement), one "block" per reading
+    ranked = rank_agreement(diffs.assign(group=diffs["column"], block=diffs["reading"], metric=diffs["column"],
+                                         label=diffs["column"]))
+    within = (diffs.assign(w=diffs["diff"].abs() <= 0.05).groupby(["column", "reading"], sort=False)["w"].sum())
+    agree = pd.DataFrame({"column": ranked["group"], "reading": ranked["block"], "methods": ranked["methods"],
+                          "mean_abs_diff": ranked["mean_abs_diff"],
+                          "within_0.05": [int(within[(c, r)]) for c, r in zip(ranked["group"], ranked["block"])],
+                          "spearman_rho": ranked["spearman_rho"]})
+    return diffs, agree
 
 
 def main(argv: list[str] | None = None) -> None:
