@@ -14,7 +14,12 @@ Avg Local Acc and Avg Worst Client Acc (per round: mean / min over the round's s
                     ``personalized_on_local``, after aggregation and any personalization step);
                     personalized methods only;
     ``global``      the aggregated global model on the sampled clients' local test splits (view
-                    ``global_on_local``; protocol 4.2 item 6 rejects it for FedAvg).
+                    ``global_on_local``; protocol 4.2 item 6 rejects it for FedAvg);
+    ``all_clients`` balanced accuracy of the model each client deploys at the end of the round,
+                    over **every** client, not only the sampled ones (view ``personalized_on_local``
+                    for a personalized method, else ``global_on_local``): PFLlib's evaluation
+                    covers all clients every round (``serverbase.evaluate``), here without its
+                    test-sample weighting.
 Avg Local Consistency (C = 1 - AIPFR, FedKPer eq. 7-9)
     ``spec``        on the per-round mean of the ``spec`` local accuracy;
     ``rows``        on the sampled clients' values in the order the authors' code logs them, one row
@@ -55,7 +60,7 @@ import pandas as pd
 
 from medpfl.metrics import consistency
 
-LOCAL_READINGS = ("spec", "plain", "deployed", "global")
+LOCAL_READINGS = ("spec", "plain", "deployed", "global", "all_clients")
 # The rows the FedKPer authors ran in their own framework (protocol Section 6); the others' local
 # accuracy is read as PFLlib's plain accuracy in the ``framework`` reading.
 AUTHORS_FRAMEWORK = frozenset({"fedavg", "fedprox", "moon", "fedntd", "fedcurv", "fedkper"})
@@ -89,6 +94,10 @@ def readings(records: pd.DataFrame) -> dict[str, float]:
     for name, view in (("deployed", "personalized_on_local"), ("global", "global_on_local")):
         rows = _sampled_view(records, view)
         per_round[name] = rows.groupby("round")["balanced_accuracy"] if len(rows) else None
+    deployed = records[records["view"] == "personalized_on_local"]
+    if deployed.empty:
+        deployed = records[records["view"] == "global_on_local"]
+    per_round["all_clients"] = deployed.groupby("round")["balanced_accuracy"] if len(deployed) else None
     for name in LOCAL_READINGS:
         g = per_round[name]
         out[f"avg_local_acc:{name}"] = float(g.mean().mean()) if g is not None else float("nan")

@@ -48,6 +48,13 @@ def test_local_readings_average_the_sampled_clients_per_round(script):
     assert out["avg_worst_client_acc:plain"] == pytest.approx(0.7)
     assert out["avg_local_acc:deployed"] == pytest.approx(0.5)  # the non-sampled clients' 0.0 left out
     assert out["avg_local_acc:global"] == pytest.approx(0.2)  # the non-sampled clients' 0.9 left out
+    # every client's personalized model: per round 2 x 0.5 + 2 x 0.0 over 4 clients; minimum 0.0
+    assert out["avg_local_acc:all_clients"] == pytest.approx(0.25)
+    assert out["avg_worst_client_acc:all_clients"] == pytest.approx(0.0)
+    # without personalized models, every client's global model: (2 x 0.2 + 2 x 0.9) / 4 = 0.55
+    glob = script["readings"](_records().query("view != 'personalized_on_local'"))
+    assert glob["avg_local_acc:all_clients"] == pytest.approx(0.55)
+    assert glob["avg_worst_client_acc:all_clients"] == pytest.approx(0.2)
 
 
 def test_consistency_readings_follow_eq_7_on_each_trajectory(script):
