@@ -62,3 +62,66 @@ def test_main_names_a_folder_without_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["round_spread.py", str(tmp_path)])
     with pytest.raises(SystemExit, match="no runs"):
         runpy.run_path(str(SCRIPT), run_name="__main__")
+
+
+def test_archive_runs_are_read_and_runs_win(tmp_path):
+    """run_records: archive/ and runs/, the same run in both read from runs/, a checkpoint-only
+    archived run left out."""
+    run_records = runpy.run_path(str(SCRIPT))["run_records"]
+    for part, seed in (("archive", 1), ("archive", 2), ("runs", 2), ("runs", 3)):
+        d = tmp_path / part / "ds" / "p" / "m" / f"seed{seed}"
+        d.mkdir(parents=True)
+        _records(3, False).to_parquet(d / "records.parquet")
+    ckpt = tmp_path / "archive" / "ds" / "p" / "m" / "seed4"
+    ckpt.mkdir(parents=True)
+    (ckpt / "checkpoint.pt.gz").write_bytes(b"")
+    found = run_records(tmp_path)
+    assert sorted(k[3] for k in found) == ["seed1", "seed2", "seed3"]
+    assert found[("ds", "p", "m", "seed2")].parts[-6] == "runs"
+    assert found[("ds", "p", "m", "seed1")].parts[-6] == "archive"
+
+
+def test_seed_summary_gives_the_reports_interval_and_paper_verdict():
+    summary = runpy.run_path(str(SCRIPT))["seed_summary"]
+    runs = pd.DataFrame({"dataset": "d", "partition": "p",
+                         "method": ["a", "a", "a", "b"], "seed": ["seed10", "seed2", "seed1", "seed1"],
+                         "final": [84.0, 80.0, 82.0, 50.0]})
+    out = summary(runs, {"a": (85.0, 0.1), "b": (50.0, None)}).set_index("method")
+    # seeds in numeric order (1, 2, 10): 82, 80, 84; mean 82, sd 2, t(0.975, 2) = 4.3027
+    assert out.loc["a", "finals"] == "82.00 80.00 84.00"
+    half = 4.302652729911275 * 2 / np.sqrt(3)
+    assert out.loc["a", "mean"] == pytest.approx(82.0)
+    assert (out.loc["a", "low"], out.loc["a", "high"]) == (pytest.approx(82 - half), pytest.approx(82 + half))
+    assert out.loc["a", "diff"] == pytest.approx(-3.0)
+    assert out.loc["a", "paper_in_ci"] == "yes"  # 85 < 82 + 4.97
+    assert out.loc["b", "paper_in_ci"] == "—"  # one seed: no interval
+    assert np.isnan(out.loc["b", "low"])
+    out = summary(runs, {"a": (88.0, 0.1)}).set_index("method")
+    assert out.loc["a", "paper_in_ci"] == "no"
+    assert np.isnan(out.loc["b", "paper"])
+
+
+def test_main_compares_a_variant_with_its_rows_paper_value(tmp_path, monkeypatch, capsys):
+    for method in ("pfedme-mlr", "pfedme-code-mlr"):
+        for seed in (1, 2):
+            run = tmp_path / "archive" / "ds" / "p" / method / f"seed{seed}"
+            run.mkdir(parents=True)
+            rec = _records(20, True)
+            rec["accuracy"] += 0.02 * (seed - 1) * (rec["view"] == "personalized_on_local")
+            rec.to_parquet(run / "records.parquet")
+    paper = tmp_path / "paper.yaml"
+    paper.write_text("title: t\nsource: s\npercent: true\nmetrics:\n  final_client_acc_mean: {label: A}\n"
+                     "values:\n  ds:\n    pfedme-mlr: {final_client_acc_mean: [0.21, 0.01]}\n")
+    argv = ["round_spread.py", str(tmp_path), "--seeds", "--paper-table", str(paper)]
+    monkeypatch.setattr(sys, "argv", argv + ["--compare", "pfedme-code-mlr=pfedme-mlr"])
+    runpy.run_path(str(SCRIPT), run_name="__main__")
+    out = capsys.readouterr().out
+    summary = out.split("final round over seeds")[1].splitlines()
+    rows = {ln.split()[2]: ln.split() for ln in summary[2:]}
+    # both methods: final 21 % (seed 1) and 23 % (seed 2), mean 22, 95 % interval 22 ± 12.71;
+    # the variant gets the row's paper value, 21 %: inside, diff +1
+    for method in ("pfedme-mlr", "pfedme-code-mlr"):
+        assert rows[method][-6:] == ["22.0", "9.29", "34.71", "21.0", "1.0", "yes"]
+    monkeypatch.setattr(sys, "argv", argv + ["--compare", "pfedme-code-mlr=fedavg-mlr"])
+    with pytest.raises(SystemExit, match="has no final_client_acc_mean for 'fedavg-mlr'"):
+        runpy.run_path(str(SCRIPT), run_name="__main__")
