@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from medpfl.report.paper import load_paper_table, paper_in_interval, round_spread
+from medpfl.report.paper import NULL, load_paper_table, paper_in_interval, round_spread
 from medpfl.report.stats import t_interval
 
 PAPER_METRIC = "final_client_acc_mean"
@@ -80,7 +80,7 @@ def seed_summary(runs: pd.DataFrame, paper_values: dict | None = None) -> pd.Dat
             inside = paper_in_interval(iv, paper)
             row.update(paper=paper if paper is not None else float("nan"),
                        diff=iv.mean - paper if paper is not None else float("nan"),
-                       paper_in_ci={True: "yes", False: "no"}.get(inside, "—"))
+                       paper_in_ci=NULL if inside is None else ("yes" if inside else "no"))
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -97,6 +97,8 @@ def main() -> None:
     pairs = [c.split("=", 1) for c in a.compare]
     if any(len(p) != 2 or not all(p) for p in pairs):
         raise SystemExit(f"--compare wants VARIANT=ROW, got {a.compare}")
+    if pairs and not a.paper_table:
+        raise SystemExit("--compare needs --paper-table (it compares a variant with a paper row's value)")
     rows = []
     for (dataset, partition, method, seed), f in run_records(a.results).items():
         s = spread(pd.read_parquet(f), a.last)

@@ -125,3 +125,6 @@ def test_main_compares_a_variant_with_its_rows_paper_value(tmp_path, monkeypatch
     monkeypatch.setattr(sys, "argv", argv + ["--compare", "pfedme-code-mlr=fedavg-mlr"])
     with pytest.raises(SystemExit, match="has no final_client_acc_mean for 'fedavg-mlr'"):
         runpy.run_path(str(SCRIPT), run_name="__main__")
+    monkeypatch.setattr(sys, "argv", ["round_spread.py", str(tmp_path), "--compare", "pfedme-code-mlr=pfedme-mlr"])
+    with pytest.raises(SystemExit, match="--compare needs --paper-table"):
+        runpy.run_path(str(SCRIPT), run_name="__main__")
