@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -77,6 +78,20 @@ def fed_data(synthetic_processed):
     """5 clients, Dirichlet(0.5), on the synthetic set, on the CPU; the server holds 20 unlabeled
     samples of the val split (``server_data: {count: 20}``; only FedBE reads them)."""
     return make_fed_data(synthetic_processed, server_data={"count": 20})
+
+
+@contextlib.contextmanager
+def cuda_sync_errors():
+    """Make any host-device synchronisation inside the block raise (CUDA only):
+    ``torch.cuda.synchronize()`` first, so work queued before the block does not count, then
+    ``torch.cuda.set_sync_debug_mode("error")`` until the block ends (back to ``"default"``, also
+    on an error). Raises ``RuntimeError`` from torch on a synchronising call inside the block."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def make_algo(name, num_classes=4, model="cnn4", model_args=None, in_channels=3, image_size=28, device="cpu",

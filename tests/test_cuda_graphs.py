@@ -19,7 +19,7 @@ from medpfl.config import EvalConfig, TrainConfig
 from medpfl.fl import stacked
 from medpfl.fl.engine import Engine, make_executor
 from medpfl.models import ZOO
-from tests.conftest import make_algo
+from tests.conftest import cuda_sync_errors, make_algo
 
 
 def test_config_refuses_cuda_graphs_without_the_stacked_executor_or_cuda():
@@ -69,12 +69,8 @@ def _cuda_run(cuda_data, method: str, graphs: bool, monkeypatch=None):
                 yield
                 return
             strict_calls.append(1)
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-            try:
+            with cuda_sync_errors():
                 yield
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
 
         monkeypatch.setattr(stacked, "local_steps", strict)
     return eng, eng.run(), len(strict_calls)

@@ -26,7 +26,6 @@ On a CUDA GPU (``gpu`` marker, skipped without one) the same rounds run on ``cud
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
 
 import pandas as pd
@@ -41,7 +40,7 @@ from medpfl.fl.emulated_device import (DevicePlacementError, EmulatedDevice, Hos
                                        register_device)
 from medpfl.fl.engine import Engine
 from medpfl.models import ZOO
-from tests.conftest import make_algo
+from tests.conftest import cuda_sync_errors, make_algo
 from tests.test_contract import _train, model_for
 
 #: fewer local iterations for the methods whose defaults run 20 (x 5) steps per client and round:
@@ -296,16 +295,7 @@ def cuda_data(synthetic_processed):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("method, executor", list(_cases()))
 def test_round_on_cuda_without_host_syncs_in_the_local_steps(cuda_data, method, executor, monkeypatch):
-    @contextlib.contextmanager
-    def strict():
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            yield
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-
-    monkeypatch.setattr(stacked, "local_steps", strict)
+    monkeypatch.setattr(stacked, "local_steps", cuda_sync_errors)
     res = _round(cuda_data, method, executor, torch.device("cuda"))
     leaves = [t for tree in (res.server, res.client_states) for t in torch.utils._pytree.tree_leaves(tree)
               if isinstance(t, torch.Tensor)]
@@ -320,16 +310,12 @@ def test_round_clock_times_cuda_work_without_a_synchronize():
     from medpfl.fl.engine import RoundClock
 
     clock = RoundClock(torch.device("cuda"))
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with cuda_sync_errors():
         a = clock.mark()
         x = torch.randn(2048, 2048, device="cuda")
         for _ in range(4):
             x = torch.tanh(x @ x)
         b = clock.mark()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert 0.0 < clock.seconds(a, b) < 60.0
 
 
