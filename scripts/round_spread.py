@@ -18,11 +18,11 @@ with the report's 95 % t interval (``medpfl.report.stats.t_interval``); with ``-
 interval, as the report's "paper in ours' 95 % CI" column. That is the seeds' view of a study
 whose ``report_all`` still waits for runs::
 
-    python scripts/round_spread.py results/pfedkd-synthetic --seeds --paper-table config/papers/pfedkd-table2.yaml \
-        --compare pfedme-code-mlr=pfedme-mlr --compare fedavg-steps20-mlr=fedavg-mlr
+    python scripts/round_spread.py results/pfedkd-synthetic --seeds --paper-table config/papers/pfedkd-table2.yaml
 
-``--compare VARIANT=ROW`` sets a stored variant beside the paper's value of the row it reads
-differently (the report compares the paper's rows only).
+The paper table's ``readings`` (``{variant: row}``, :mod:`medpfl.report.paper`) set each stored
+variant beside the paper's value of the row it reads another way, as the report does;
+``--compare VARIANT=ROW`` adds (or overrides) one such pair.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def main() -> None:
     ap.add_argument("--seeds", action="store_true", help="also the per-method summary over seeds")
     ap.add_argument("--paper-table", type=Path, help=f"compare the seeds' interval with this paper table's {PAPER_METRIC}")
     ap.add_argument("--compare", action="append", default=[], metavar="VARIANT=ROW",
-                    help="with --paper-table: compare a variant with the paper's value of ROW (repeatable)")
+                    help="with --paper-table: compare a variant with the paper's value of ROW (repeatable; adds to the table's readings)")
     a = ap.parse_args()
     pairs = [c.split("=", 1) for c in a.compare]
     if any(len(p) != 2 or not all(p) for p in pairs):
@@ -116,6 +116,8 @@ def main() -> None:
             paper_values = {m: (scale * v[PAPER_METRIC][0], v[PAPER_METRIC][1])
                             for ds, methods in paper.values.items() if ds.split("/")[0] in datasets
                             for m, v in methods.items() if PAPER_METRIC in v}
+            paper_values.update({v: paper_values[row] for v, row in (paper.readings or {}).items()
+                                 if row in paper_values})
             for variant, row in pairs:
                 if row not in paper_values:
                     raise SystemExit(f"--compare {variant}={row}: {a.paper_table} has no {PAPER_METRIC} for {row!r}")

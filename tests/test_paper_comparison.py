@@ -329,3 +329,46 @@ def test_the_side_by_side_says_whether_the_paper_lies_inside_our_seed_interval(t
     assert df1["paper_in_ci"].isna().all() and df1["ours_ci_low"].isna().all()
     md1 = one["table_md"].read_text()
     assert "paper in ours'" not in md1 and "Paper in ours'" not in md1 and "1 seed: no interval" in md1
+
+
+def test_a_reading_is_compared_with_its_paper_row_but_not_ranked():
+    """``readings``: a study variant set beside the paper's value of the row it reads another way,
+    in that row's block, without ranks, and left out of the rank agreement (hand-computed)."""
+    P = PaperTable("T", "S", {"acc": {"label": "Acc", "higher_is_better": True}},
+                   {"ds": {"a-x": {"acc": (0.9, 0.01)}, "b-x": {"acc": (0.8, 0.01)}, "c-x": {"acc": (0.7, 0.01)}}},
+                   Path("t.yaml"), blocks={"X": ["a-x", "b-x", "c-x"]},
+                   readings={"b-code-x": "b-x", "z-code-x": "a-x"})  # z-code-x: not in the study
+    ours = {"ds / p": {"dataset": "ds", "methods": {"a-x": {"acc": 0.85}, "b-x": {"acc": 0.75}, "c-x": {"acc": 0.65},
+                                                   "b-code-x": {"acc": 0.95}}}}
+    with_reading = compare(ours, P)
+    assert with_reading["method"].tolist() == ["a-x", "b-x", "c-x", "b-code-x"]
+    r = with_reading.set_index("method").loc["b-code-x"]
+    assert r["reading_of"] == "b-x" and r["block"] == "X" and r["paper"] == 0.8
+    assert r["diff"] == pytest.approx(0.15) and pd.isna(r["rank_ours"]) and pd.isna(r["rank_paper"])
+    # the paper rows rank as without the reading (0.95 would otherwise rank first)
+    assert with_reading.set_index("method")["rank_ours"].dropna().to_dict() == {"a-x": 1, "b-x": 2, "c-x": 3}
+    assert with_reading["reading_of"].iloc[:3].isna().all()
+    without = compare({"ds / p": {**ours["ds / p"], "methods": {k: v for k, v in ours["ds / p"]["methods"].items()
+                                                               if k != "b-code-x"}}}, P)
+    pd.testing.assert_frame_equal(rank_agreement(with_reading), rank_agreement(without))
+    t = dict(comparison_tables(with_reading, rank_agreement(with_reading), percent=True)["ds / p"])["Acc"]
+    row = t.set_index("Method").loc["b-code-x (reading of b-x)"]
+    assert (row["ours"], row["paper"], row["ours − paper"], row["rank ours"]) == ("95.00", "80.00 ± 1.00", "+15.00", "—")
+
+
+@pytest.mark.parametrize("readings, match", [
+    ("{m: m}", r"readings\.m: is a row of the paper's table itself"),
+    ("{v: nope}", r"readings\.v: 'nope' is not a row of values \(m\)"),
+    ("{v: [m]}", r"readings\.v: .*string"),
+])
+def test_a_bad_reading_names_its_key(tmp_path, readings, match):
+    with pytest.raises(PaperTableError, match=match):
+        load_paper_table(_write(GOOD + f"readings: {readings}\n", tmp_path))
+
+
+def test_the_pfedkd_tables_readings_are_variants_of_their_studies():
+    """Every reading of the pFedKD-WCL tables is a method variant of the study the table serves."""
+    for table, study in (("pfedkd-table1.yaml", "pfedkd-mnist.yaml"), ("pfedkd-table2.yaml", "pfedkd-synthetic.yaml")):
+        readings = load_paper_table(REPO / "config" / "papers" / table).readings
+        methods = set(yaml.safe_load((REPO / "config" / study).read_text())["methods"])
+        assert readings and set(readings) <= methods, (table, set(readings) - methods)

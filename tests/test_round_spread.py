@@ -128,3 +128,28 @@ def test_main_compares_a_variant_with_its_rows_paper_value(tmp_path, monkeypatch
     monkeypatch.setattr(sys, "argv", ["round_spread.py", str(tmp_path), "--compare", "pfedme-code-mlr=pfedme-mlr"])
     with pytest.raises(SystemExit, match="--compare needs --paper-table"):
         runpy.run_path(str(SCRIPT), run_name="__main__")
+
+
+def test_main_takes_the_paper_tables_readings(tmp_path, monkeypatch, capsys):
+    """Without --compare, a ``readings`` entry of the paper table sets the variant beside its row's
+    paper value; without the entry the variant has none."""
+    for method in ("pfedme-mlr", "pfedme-code-mlr"):
+        for seed in (1, 2):
+            run = tmp_path / "archive" / "ds" / "p" / method / f"seed{seed}"
+            run.mkdir(parents=True)
+            rec = _records(20, True)
+            rec["accuracy"] += 0.02 * (seed - 1) * (rec["view"] == "personalized_on_local")
+            rec.to_parquet(run / "records.parquet")
+    base = ("title: t\nsource: s\npercent: true\nmetrics:\n  final_client_acc_mean: {label: A}\n"
+            "values:\n  ds:\n    pfedme-mlr: {final_client_acc_mean: [0.21, 0.01]}\n")
+
+    def summary(text: str) -> dict[str, list[str]]:
+        paper = tmp_path / "paper.yaml"
+        paper.write_text(text)
+        monkeypatch.setattr(sys, "argv", ["round_spread.py", str(tmp_path), "--seeds", "--paper-table", str(paper)])
+        runpy.run_path(str(SCRIPT), run_name="__main__")
+        lines = capsys.readouterr().out.split("final round over seeds")[1].splitlines()
+        return {ln.split()[2]: ln.split() for ln in lines[2:]}
+
+    assert summary(base + "readings: {pfedme-code-mlr: pfedme-mlr}\n")["pfedme-code-mlr"][-3:] == ["21.0", "1.0", "yes"]
+    assert summary(base)["pfedme-code-mlr"][-3:] == ["NaN", "NaN", "—"]

@@ -10,6 +10,7 @@ their source::
     metrics:  {<summary key>: {label: ..., higher_is_better: true, per_round: <round column>}, ...}
     last_rounds: 50       # optional: the rounds the per_round spread covers (default 50)
     blocks:   {<name>: [<method>, ...], ...}    # optional: rank within each block
+    readings: {<variant>: <method>, ...}         # optional: study variants that run a paper row another way
     values:   {<dataset> or <dataset>/<partition>: {<method>: {<summary key>: [value, ±], ...}, ...}, ...}
 
 Every key is checked when the file is loaded (``load_paper_table``; unknown keys are errors): a
@@ -41,6 +42,14 @@ the last ``last_rounds`` rounds (:func:`round_spread`): the mean over seeds of e
 over those rounds, and the lowest and highest round over all seeds; and whether the paper's value
 lies inside that range. A gap whose paper value lies inside our range is within our own
 round-to-round swing.
+
+A *reading* is a method variant of the study that runs one of the paper's rows another way (the
+paper's own code rather than its text, say: ``pfedme-code-mlr: pfedme-mlr``). With ``readings``,
+each variant the study has is compared with the paper's value of the row it reads: a row
+``<variant>`` with ``reading_of`` set to that row, after the paper's rows, in the row's block. It
+has ours, the paper's value, the difference, the interval and spread columns, but no ranks, and it
+is left out of the rank agreement, which stays among the paper's rows. ``docs/studies.md`` says
+why each variant exists.
 """
 
 from __future__ import annotations
@@ -75,6 +84,7 @@ class PaperTable:
     blocks: dict[str, list[str]] | None = None
     percent: bool = False
     last_rounds: int = 50
+    readings: dict[str, str] | None = None
 
     def group_values(self, dataset: str, partition: str) -> dict[str, dict[str, tuple[float, float | None]]] | None:
         """The paper's values for one of our (dataset, partition) groups, or None."""
@@ -107,6 +117,9 @@ class _PaperFile(BaseModel):
     metrics: dict[str, _Metric]
     blocks: dict[str, list[StrictStr]] | None = None
     last_rounds: PositiveInt = 50
+    readings: dict[StrictStr, StrictStr] | None = Field(
+        None, description="{variant: paper row}: a study variant compared with the paper's value of the row it "
+                          "reads another way (not ranked)")
     values: dict[str, dict[str, dict[str, tuple[StrictFloat, StrictFloat | None]]]]
 
 
@@ -170,10 +183,18 @@ def load_paper_table(path: str | Path) -> PaperTable:
                                           f"({', '.join(table.metrics)})")
                 values.setdefault(ds, {}).setdefault(method, {})[metric] = (float(value),
                                                                              None if pm is None else float(pm))
+    rows = {m for methods in values.values() for m in methods}
+    for variant, row in (table.readings or {}).items():
+        if variant in rows:
+            raise PaperTableError(f"{where}: readings.{variant}: is a row of the paper's table itself, not a variant")
+        if row not in rows:
+            raise PaperTableError(f"{where}: readings.{variant}: {row!r} is not a row of values "
+                                  f"({', '.join(sorted(rows))})")
     metrics = {k: m.model_dump(exclude_none=True) for k, m in table.metrics.items()}
     blocks = {k: list(v) for k, v in table.blocks.items()} if table.blocks is not None else None
+    readings = dict(table.readings) if table.readings is not None else None
     return PaperTable(table.title, table.source, metrics, values, path, table.how_ours, blocks, table.percent,
-                      table.last_rounds)
+                      table.last_rounds, readings)
 
 
 @dataclass(frozen=True)
@@ -243,7 +264,10 @@ def compare(ours: dict[str, dict[str, dict[str, float | None]]], paper: PaperTab
     last_low, last_high (our :class:`Spread`; empty without one) and paper_in_last_range (whether
     last_low <= paper <= last_high; empty without a spread or a paper value), then paper_in_ci
     (whether ours_ci_low <= paper <= ours_ci_high: the paper's value inside ours' 95 % t interval
-    over seeds; empty with fewer than 2 seeds or without a paper value), in the paper's row order.
+    over seeds; empty with fewer than 2 seeds or without a paper value), then reading_of (empty for
+    a paper row; for a variant of ``paper.readings`` the study has, the paper row it reads: its
+    paper value and block, no ranks), in the paper's row order, each metric's readings after its
+    paper rows.
     """
     rows = []
     for group, g in ours.items():
@@ -252,6 +276,7 @@ def compare(ours: dict[str, dict[str, dict[str, float | None]]], paper: PaperTab
         if pvals is None:
             continue
         methods = [m for m in pvals if m in g["methods"]]  # the paper's order
+        readings = {v: row for v, row in (paper.readings or {}).items() if v in g["methods"] and row in pvals}
         for metric, meta in paper.metrics.items():
             hib = bool(meta.get("higher_is_better", True))
             o = {m: g["methods"][m].get(metric) for m in methods}
@@ -261,13 +286,15 @@ def compare(ours: dict[str, dict[str, dict[str, float | None]]], paper: PaperTab
                 both = [m for m in methods if paper.block_of(m) == block and o[m] is not None and p[m] is not None]
                 ro.update(_rank({m: o[m] for m in both}, hib))
                 rp.update(_rank({m: p[m] for m in both}, hib))
-            for m in methods:
-                pv, ppm = pvals[m].get(metric, (None, None))
+            o.update({v: g["methods"][v].get(metric) for v in readings})
+            for m in [*methods, *readings]:
+                row = readings.get(m, m)  # the paper row whose value m is compared with
+                pv, ppm = pvals[row].get(metric, (None, None))
                 iv = (g.get("intervals") or {}).get(m, {}).get(metric)
                 sp = (g.get("spread") or {}).get(m, {}).get(metric)
-                rows.append({"group": group, "dataset": ds, "block": paper.block_of(m), "method": m, "metric": metric,
-                             "label": meta.get("label", metric), "ours": o[m], "paper": pv, "paper_pm": ppm,
-                             "diff": (o[m] - pv) if (o[m] is not None and pv is not None) else None,
+                rows.append({"group": group, "dataset": ds, "block": paper.block_of(row), "method": m,
+                             "metric": metric, "label": meta.get("label", metric), "ours": o[m], "paper": pv,
+                             "paper_pm": ppm, "diff": (o[m] - pv) if (o[m] is not None and pv is not None) else None,
                              "rank_ours": ro.get(m), "rank_paper": rp.get(m),
                              "ours_seeds": iv.n if iv is not None else None,
                              "ours_ci_low": iv.low if iv is not None else None,
@@ -279,10 +306,11 @@ def compare(ours: dict[str, dict[str, dict[str, float | None]]], paper: PaperTab
                              "last_high": sp.high if sp is not None else None,
                              "paper_in_last_range": (sp.low <= pv <= sp.high) if sp is not None and pv is not None
                              else None,
-                             "paper_in_ci": paper_in_interval(iv, pv)})
+                             "paper_in_ci": paper_in_interval(iv, pv),
+                             "reading_of": readings.get(m)})
     return pd.DataFrame(rows, columns=["group", "dataset", "block", "method", "metric", "label", "ours", "paper",
                                        "paper_pm", "diff", "rank_ours", "rank_paper", "ours_seeds", "ours_ci_low",
-                                       "ours_ci_high", *SPREAD_COLUMNS, "paper_in_ci"])
+                                       "ours_ci_high", *SPREAD_COLUMNS, "paper_in_ci", "reading_of"])
 
 
 def paper_in_interval(interval: Interval | None, paper: float | None) -> bool | None:
@@ -299,8 +327,12 @@ def rank_agreement(df: pd.DataFrame) -> pd.DataFrame:
     """Per (group, block, metric): methods compared, Spearman rho of our vs the paper's values (NaN
     below 3 methods), the mean absolute difference, and ``in_ci`` / ``with_ci``: of the methods
     with an interval over seeds and a paper value (``paper_in_ci`` not empty, :func:`compare`), how
-    many have the paper's value inside it, and how many there are (0 and 0 with one seed)."""
+    many have the paper's value inside it, and how many there are (0 and 0 with one seed). Rows
+    with a ``reading_of`` (variants, :func:`compare`) are left out: the agreement is among the
+    paper's own rows."""
     rows = []
+    if "reading_of" in df.columns:
+        df = df[df["reading_of"].isna()]
     if "block" not in df.columns:
         df = df.assign(block="")
     if "paper_in_ci" not in df.columns:
@@ -335,7 +367,8 @@ def comparison_tables(df: pd.DataFrame, agreement: pd.DataFrame,
     ours' CI", k of n). Where the metric has a round spread (``df``'s last_* columns,
     :func:`compare`), two more columns after ours − paper: "ours, last N rounds: mean [min, max]"
     and "paper in that range" (yes / no). ``percent``: values, ± and differences shown × 100 with 2
-    decimals (accuracy points, as a paper that prints percentages), else as fractions with 3."""
+    decimals (accuracy points, as a paper that prints percentages), else as fractions with 3. A
+    reading (``reading_of`` set) shows as "<variant> (reading of <row>)", unranked."""
     out: dict[str, list[tuple[str, pd.DataFrame]]] = {}
     scale, nd = (100.0, 2) if percent else (1.0, 3)
 
@@ -353,8 +386,9 @@ def comparison_tables(df: pd.DataFrame, agreement: pd.DataFrame,
     for group, g in df.groupby("group", sort=False):
         tables = []
         for metric, d in g.groupby("metric", sort=False):
+            reads = d["reading_of"] if "reading_of" in d.columns else pd.Series(None, index=d.index)
             t = pd.DataFrame({
-                "Method": d["method"],
+                "Method": [m if r is None or pd.isna(r) else f"{m} (reading of {r})" for m, r in zip(d["method"], reads)],
                 "ours": [_ours(r) for _, r in d.iterrows()],
                 "paper": [_f(v) + (f" ± {_f(pm)}" if pm is not None and not (isinstance(pm, float) and math.isnan(pm)) else "")
                           if v is not None else NULL for v, pm in zip(d["paper"], d["paper_pm"])],
@@ -405,4 +439,7 @@ def paper_caption(paper: PaperTable, seeds: dict[str, int], rounds: dict[str, An
             + (f" Ours, last {paper.last_rounds} rounds: the mean over seeds of each run's mean over its last "
                f"{paper.last_rounds} rounds of the metric's per-round value, [the lowest, the highest] of those rounds "
                f"over all seeds; “paper in that range”: whether the paper's value lies inside it, i.e. within our "
-               f"round-to-round swing." if any(m.get("per_round") for m in paper.metrics.values()) else ""))
+               f"round-to-round swing." if any(m.get("per_round") for m in paper.metrics.values()) else "")
+            + (" A row “<variant> (reading of <row>)” is a variant of the study that runs the paper's row another "
+               "way (docs/studies.md says how), compared with that row's paper value; it is not ranked and not in "
+               "the rank agreement." if paper.readings else ""))
