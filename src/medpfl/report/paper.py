@@ -310,7 +310,8 @@ def compare(ours: dict[str, dict[str, dict[str, float | None]]], paper: PaperTab
                              "reading_of": readings.get(m)})
     return pd.DataFrame(rows, columns=["group", "dataset", "block", "method", "metric", "label", "ours", "paper",
                                        "paper_pm", "diff", "rank_ours", "rank_paper", "ours_seeds", "ours_ci_low",
-                                       "ours_ci_high", *SPREAD_COLUMNS, "paper_in_ci", "reading_of"])
+                                       "ours_ci_high", *SPREAD_COLUMNS, "paper_in_ci", "reading_of"]
+                        ).astype({"rank_ours": "Int64", "rank_paper": "Int64"})  # whole ranks; <NA> where unranked
 
 
 def paper_in_interval(interval: Interval | None, paper: float | None) -> bool | None:
