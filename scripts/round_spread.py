@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from medpfl.report.paper import NULL, load_paper_table, paper_in_interval, round_spread
+from medpfl.report.paper import NULL, PaperTable, load_paper_table, paper_in_interval, round_spread
 from medpfl.report.stats import t_interval
 
 PAPER_METRIC = "final_client_acc_mean"
@@ -60,11 +60,14 @@ def run_records(results: Path) -> dict[tuple[str, str, str, str], Path]:
     return found
 
 
-def seed_summary(runs: pd.DataFrame, paper_values: dict | None = None) -> pd.DataFrame:
+def seed_summary(runs: pd.DataFrame, paper: PaperTable | None = None,
+                 readings: dict[str, str] | None = None) -> pd.DataFrame:
     """Per (dataset, partition, method): the seeds, each seed's final-round value, their mean and
-    95 % t interval (``low``, ``high``; NaN with one seed), and with ``paper_values``
-    (``{method: (value %, pm)}``) the paper's value, ours − paper and ``paper_in_ci`` (the
-    report's rule: yes / no, or "—" without an interval). ``runs``: :func:`main`'s per-run table
+    95 % t interval (``low``, ``high``; NaN with one seed), and with ``paper`` the paper's
+    ``final_client_acc_mean`` for that (dataset, partition) (:meth:`PaperTable.group_values`, the
+    report's lookup; × 100 for a ``percent`` table), ours − paper and ``paper_in_ci`` (the
+    report's rule: yes / no, or "—" without an interval). A method of ``readings`` (``{variant:
+    paper row}``) is compared with its row's value. ``runs``: :func:`main`'s per-run table
     (``final`` in %, ``seed`` as ``seed<s>``)."""
     rows = []
     for (dataset, partition, method), g in runs.groupby(["dataset", "partition", "method"], sort=True):
@@ -74,12 +77,12 @@ def seed_summary(runs: pd.DataFrame, paper_values: dict | None = None) -> pd.Dat
                "finals": " ".join(f"{v:.2f}" for v in g["final"]), "mean": iv.mean,
                "low": iv.low if iv.low is not None else float("nan"),
                "high": iv.high if iv.high is not None else float("nan")}
-        if paper_values is not None:
-            cell = paper_values.get(method)
-            paper = cell[0] if cell else None
-            inside = paper_in_interval(iv, paper)
-            row.update(paper=paper if paper is not None else float("nan"),
-                       diff=iv.mean - paper if paper is not None else float("nan"),
+        if paper is not None:
+            cells = (paper.group_values(dataset, partition) or {}).get((readings or {}).get(method, method), {})
+            value = (100.0 if paper.percent else 1.0) * cells[PAPER_METRIC][0] if PAPER_METRIC in cells else None
+            inside = paper_in_interval(iv, value)
+            row.update(paper=value if value is not None else float("nan"),
+                       diff=iv.mean - value if value is not None else float("nan"),
                        paper_in_ci=NULL if inside is None else ("yes" if inside else "no"))
         rows.append(row)
     return pd.DataFrame(rows)
@@ -108,22 +111,16 @@ def main() -> None:
     runs = pd.DataFrame(rows)
     print(runs.round(2).to_string(index=False))
     if a.seeds or a.paper_table:
-        paper_values = None
+        paper, readings = None, None
         if a.paper_table:
             paper = load_paper_table(a.paper_table)
-            scale = 100.0 if paper.percent else 1.0
-            datasets = set(runs["dataset"])
-            paper_values = {m: (scale * v[PAPER_METRIC][0], v[PAPER_METRIC][1])
-                            for ds, methods in paper.values.items() if ds.split("/")[0] in datasets
-                            for m, v in methods.items() if PAPER_METRIC in v}
-            paper_values.update({v: paper_values[row] for v, row in (paper.readings or {}).items()
-                                 if row in paper_values})
+            with_metric = {m for methods in paper.values.values() for m, v in methods.items() if PAPER_METRIC in v}
             for variant, row in pairs:
-                if row not in paper_values:
+                if row not in with_metric:
                     raise SystemExit(f"--compare {variant}={row}: {a.paper_table} has no {PAPER_METRIC} for {row!r}")
-                paper_values[variant] = paper_values[row]
+            readings = {**(paper.readings or {}), **dict(pairs)}
         print("\nfinal round over seeds (mean and 95 % t interval, %)")
-        print(seed_summary(runs, paper_values).round(2).to_string(index=False))
+        print(seed_summary(runs, paper, readings).round(2).to_string(index=False))
 
 
 if __name__ == "__main__":

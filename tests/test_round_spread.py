@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 
 from helpers import REPO
+from medpfl.report.paper import PaperTable
 
 SCRIPT = REPO / "scripts" / "round_spread.py"
 
@@ -87,7 +88,10 @@ def test_seed_summary_gives_the_reports_interval_and_paper_verdict():
     runs = pd.DataFrame({"dataset": "d", "partition": "p",
                          "method": ["a", "a", "a", "b"], "seed": ["seed10", "seed2", "seed1", "seed1"],
                          "final": [84.0, 80.0, 82.0, 50.0]})
-    out = summary(runs, {"a": (85.0, 0.1), "b": (50.0, None)}).set_index("method")
+    paper = PaperTable("T", "S", {"final_client_acc_mean": {}},
+                       {"d": {"a": {"final_client_acc_mean": (0.85, 0.001)}, "b": {"final_client_acc_mean": (0.5, None)}}},
+                       Path("t.yaml"), percent=True)
+    out = summary(runs, paper).set_index("method")
     # seeds in numeric order (1, 2, 10): 82, 80, 84; mean 82, sd 2, t(0.975, 2) = 4.3027
     assert out.loc["a", "finals"] == "82.00 80.00 84.00"
     half = 4.302652729911275 * 2 / np.sqrt(3)
@@ -97,9 +101,14 @@ def test_seed_summary_gives_the_reports_interval_and_paper_verdict():
     assert out.loc["a", "paper_in_ci"] == "yes"  # 85 < 82 + 4.97
     assert out.loc["b", "paper_in_ci"] == "—"  # one seed: no interval
     assert np.isnan(out.loc["b", "low"])
-    out = summary(runs, {"a": (88.0, 0.1)}).set_index("method")
+    paper.values["d"] = {"a": {"final_client_acc_mean": (0.88, 0.001)}}
+    out = summary(runs, paper).set_index("method")
     assert out.loc["a", "paper_in_ci"] == "no"
     assert np.isnan(out.loc["b", "paper"])
+    # a partition-keyed value wins over the data set's, as in the report; a reading takes its row's
+    paper.values["d/p"] = {"a": {"final_client_acc_mean": (0.80, 0.001)}}
+    out = summary(runs.assign(method=["a", "a", "a", "v"]), paper, {"v": "a"}).set_index("method")
+    assert out.loc["a", "diff"] == pytest.approx(2.0) and out.loc["v", "paper"] == pytest.approx(80.0)
 
 
 def _archive_two_seeds(results: Path) -> None:
