@@ -389,7 +389,7 @@ def comparison_tables(df: pd.DataFrame, agreement: pd.DataFrame,
         for metric, d in g.groupby("metric", sort=False):
             reads = d["reading_of"] if "reading_of" in d.columns else pd.Series(None, index=d.index)
             t = pd.DataFrame({
-                "Method": [m if r is None or pd.isna(r) else f"{m} (reading of {r})" for m, r in zip(d["method"], reads)],
+                "Method": [m if pd.isna(r) else f"{m} (reading of {r})" for m, r in zip(d["method"], reads)],
                 "ours": [_ours(r) for _, r in d.iterrows()],
                 "paper": [_f(v) + (f" ± {_f(pm)}" if pm is not None and not (isinstance(pm, float) and math.isnan(pm)) else "")
                           if v is not None else NULL for v, pm in zip(d["paper"], d["paper_pm"])],
